@@ -1,0 +1,1 @@
+"""specjax: loose speculative decoding for Llama-family models in JAX."""

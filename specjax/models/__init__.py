@@ -1,0 +1,1 @@
+"""Llama-family decoder, configs, loaders and tokenizer."""

@@ -1,0 +1,1 @@
+"""Acceptance rules (SPEC.md): pure, jit-able, vmap-friendly functions."""
