@@ -1,0 +1,194 @@
+"""Checkpoint conversion: GGUF and HF safetensors tensors -> our parameter tree.
+
+Both loaders name tensors in transformers' layout (torch Linear weights are
+[out, in]) and hand them to `build_params`, which is the one place that knows
+our tree (see `llama.Transformer`).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Callable
+
+import numpy as np
+
+from specjax.models import config as config_lib
+from specjax.models.config import Config
+
+
+class MissingTensorError(KeyError):
+    def __str__(self):
+        return str(self.args[0])
+
+
+# Per-layer tensors, transformers names (the part after `model.layers.{i}.`).
+_LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")
+_BIAS_TENSORS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+def expected_tensors(c: Config) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not c.tie_embeddings:
+        names.append("lm_head.weight")
+    per_layer = _LAYER_TENSORS + (_BIAS_TENSORS if c.qkv_bias else ())
+    names += [f"model.layers.{i}.{t}" for i in range(c.num_layers) for t in per_layer]
+    return names
+
+
+def build_params(c: Config, get: Callable[[str], np.ndarray], source: str) -> dict:
+    """Our float32 parameter tree from a `get(hf_name) -> np.ndarray` accessor."""
+    D, H, G, Dh, F, V = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size
+
+    def fetch(name, shape):
+        try:
+            x = np.asarray(get(name), np.float32)
+        except KeyError:
+            raise MissingTensorError(f"missing tensor {name!r} in {source}") from None
+        if x.shape != shape:
+            raise ValueError(f"tensor {name!r} in {source} has shape {x.shape}, expected {shape}")
+        return x
+
+    def stack(suffix, shape, to_ours):
+        return np.stack([to_ours(fetch(f"model.layers.{i}.{suffix}", shape)) for i in range(c.num_layers)])
+
+    layers = {
+        "attn_norm": {"scale": stack("input_layernorm.weight", (D,), lambda w: w)},
+        "mlp_norm": {"scale": stack("post_attention_layernorm.weight", (D,), lambda w: w)},
+        "wq": stack("self_attn.q_proj.weight", (H * Dh, D), lambda w: w.T.reshape(D, H, Dh)),
+        "wk": stack("self_attn.k_proj.weight", (G * Dh, D), lambda w: w.T.reshape(D, G, Dh)),
+        "wv": stack("self_attn.v_proj.weight", (G * Dh, D), lambda w: w.T.reshape(D, G, Dh)),
+        "wo": stack("self_attn.o_proj.weight", (D, H * Dh), lambda w: w.T.reshape(H, Dh, D)),
+        "w_gate": stack("mlp.gate_proj.weight", (F, D), lambda w: w.T),
+        "w_up": stack("mlp.up_proj.weight", (F, D), lambda w: w.T),
+        "w_down": stack("mlp.down_proj.weight", (D, F), lambda w: w.T),
+    }
+    if c.qkv_bias:
+        layers["bq"] = stack("self_attn.q_proj.bias", (H * Dh,), lambda b: b.reshape(H, Dh))
+        layers["bk"] = stack("self_attn.k_proj.bias", (G * Dh,), lambda b: b.reshape(G, Dh))
+        layers["bv"] = stack("self_attn.v_proj.bias", (G * Dh,), lambda b: b.reshape(G, Dh))
+    params = {
+        "embed": fetch("model.embed_tokens.weight", (V, D)),
+        "layers": layers,
+        "final_norm": {"scale": fetch("model.norm.weight", (D,))},
+    }
+    if not c.tie_embeddings:
+        params["lm_head"] = fetch("lm_head.weight", (V, D)).T.copy()
+    return params
+
+
+# --- GGUF -------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight", "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                      "output.weight": "lm_head.weight"}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves each head's two RoPE halves (for its adjacent-pair
+    # rotation); transformers rotates halves (rotate_half). Undo: [h, Dh/2, 2] -> [h, 2, Dh/2].
+    head_dim = w.shape[0] // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_fields(reader) -> dict:
+    """Decoded GGUF metadata {key: python value}."""
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        out[key] = field.contents()
+    return out
+
+
+def load_gguf(path: str | pathlib.Path):
+    """(Config, float32 params, metadata) from a GGUF file, dequantized with gguf.quants."""
+    import gguf  # the format library: parsing and dequantization
+
+    reader = gguf.GGUFReader(str(path))
+    fields = gguf_fields(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    rope_freqs = None
+    if "rope_freqs.weight" in tensors:
+        rope_freqs = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
+    c = config_lib.from_gguf_fields(fields, tensor_names=tensors.keys(), rope_freqs=rope_freqs)
+    by_hf = {}
+    for name in tensors:
+        hf = _hf_name(name)
+        if hf is None and name != "rope_freqs.weight":
+            raise config_lib.ConfigError(f"unsupported tensor {name!r} in {path} (not part of a "
+                                         f"{c.architecture} decoder this library implements)")
+        if hf is not None:
+            by_hf[hf] = tensors[name]
+    permute = c.architecture == "llama"
+
+    def get(hf_name):
+        t = by_hf[hf_name]
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if permute and hf_name.endswith("self_attn.q_proj.weight"):
+            w = _unpermute_rope_rows(w, c.num_heads)
+        elif permute and hf_name.endswith("self_attn.k_proj.weight"):
+            w = _unpermute_rope_rows(w, c.num_kv_heads)
+        elif permute and (hf_name.endswith("q_proj.bias") or hf_name.endswith("k_proj.bias")):
+            w = _unpermute_rope_rows(w, c.num_heads if "q_proj" in hf_name else c.num_kv_heads)
+        return w
+
+    return c, build_params(c, get, str(path)), fields
+
+
+# --- Hugging Face directory (config.json + safetensors) ----------------------
+
+def load_hf_dir(path: str | pathlib.Path):
+    """(Config, float32 params) from a directory with config.json and safetensors
+    (one file, or shards listed in model.safetensors.index.json)."""
+    from safetensors import safe_open
+
+    path = pathlib.Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json")
+    c = config_lib.from_hf_dict(json.loads(cfg_file.read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", framework="flax") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    handles = {}
+
+    def get(name):
+        if name not in weight_map:
+            raise KeyError(name)
+        shard = weight_map[name]
+        if shard not in handles:
+            # framework="flax" reads bfloat16 too (numpy has no bfloat16).
+            handles[shard] = safe_open(path / shard, framework="flax")
+        return np.asarray(handles[shard].get_tensor(name).astype("float32"))
+
+    params = build_params(c, get, str(path))
+    if c.tie_embeddings:
+        weight_map.pop("lm_head.weight", None)  # some exports write the tied head anyway
+    unknown = sorted(set(weight_map) - set(expected_tensors(c)) - {"lm_head.weight"})
+    if unknown:
+        raise config_lib.ConfigError(f"unsupported tensor(s) in {path}: {', '.join(unknown[:5])}")
+    return c, params

@@ -1,0 +1,179 @@
+"""The Llama-family decoder (Llama 1-3, SmolLM2, Qwen2) as Flax Linen modules.
+
+The modules only define parameters and the computation; they are run as pure
+functions, `Transformer(config).apply({"params": params}, ...)`, inside jit.
+Layers are stacked on a leading axis and run with `nn.scan`, so compile time
+does not grow with depth and the KV cache is one array per K and V:
+
+    cache_k_LxBxSxGxDh, cache_v_LxBxSxGxDh, lengths_B
+
+Attention masks keys by position only (key j is visible to a query at
+position p iff j <= p), so rejected draft tokens never need erasing: the next
+write simply overwrites them, and a row's length pointer is its truth.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from specjax.models.config import Config
+
+_init = nn.initializers.normal(0.02)
+
+
+class KVCache(NamedTuple):
+    """Preallocated per-layer keys and values and the committed length of each row."""
+
+    k: jax.Array  # [L, B, S, G, Dh]
+    v: jax.Array  # [L, B, S, G, Dh]
+    lengths: jax.Array  # int32[B]: positions >= lengths[b] are not (yet) valid for row b
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(config: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (scale.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def apply_rope(x_BTNK, positions_BT, inv_freq_K2):
+    """Rotary embedding in transformers' half-split layout (rotate_half)."""
+    freqs_BTK2 = positions_BT[..., None].astype(jnp.float32) * inv_freq_K2
+    cos = jnp.cos(freqs_BTK2)[:, :, None, :]
+    sin = jnp.sin(freqs_BTK2)[:, :, None, :]
+    x = x_BTNK.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNK.dtype)
+
+
+class Block(nn.Module):
+    """One decoder layer; scanned over layers by `Transformer`."""
+
+    config: Config
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, carry, layer, positions_BT, write_pos_BT):
+        c = self.config
+        x_BTD, cache_k, cache_v = carry
+        D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        B, T, _ = x_BTD.shape
+        p = lambda name, shape: self.param(name, _init, shape, jnp.float32).astype(self.dtype)  # noqa: E731
+
+        h_BTD = RMSNorm(c.rms_norm_eps, name="attn_norm")(x_BTD)
+        q_BTHK = jnp.einsum("btd,dhk->bthk", h_BTD, p("wq", (D, H, Dh)))
+        k_BTGK = jnp.einsum("btd,dgk->btgk", h_BTD, p("wk", (D, G, Dh)))
+        v_BTGK = jnp.einsum("btd,dgk->btgk", h_BTD, p("wv", (D, G, Dh)))
+        if c.qkv_bias:
+            q_BTHK += p("bq", (H, Dh))
+            k_BTGK += p("bk", (G, Dh))
+            v_BTGK += p("bv", (G, Dh))
+        inv_freq = jnp.asarray(c.inv_freq())
+        q_BTHK = apply_rope(q_BTHK, positions_BT, inv_freq)
+        k_BTGK = apply_rope(k_BTGK, positions_BT, inv_freq)
+
+        if cache_k is None:  # full forward: attend over this call's tokens only
+            keys_BSGK, values_BSGK = k_BTGK, v_BTGK
+        else:  # write at each row's own offset, in place in the carried cache
+            rows_B1 = jnp.arange(B)[:, None]
+            cache_k = cache_k.at[layer, rows_B1, write_pos_BT].set(k_BTGK.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[layer, rows_B1, write_pos_BT].set(v_BTGK.astype(cache_v.dtype), mode="drop")
+            keys_BSGK, values_BSGK = cache_k[layer], cache_v[layer]
+        S = keys_BSGK.shape[1]
+
+        q_BTGQK = q_BTHK.reshape(B, T, G, H // G, Dh)
+        scores = jnp.einsum("btgqk,bsgk->bgqts", q_BTGQK, keys_BSGK.astype(self.dtype),
+                            preferred_element_type=jnp.float32) * (Dh ** -0.5)
+        visible_BTS = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
+        scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        attn_BTHK = jnp.einsum("bgqts,bsgk->btgqk", probs, values_BSGK.astype(self.dtype)).reshape(B, T, H, Dh)
+        x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", attn_BTHK, p("wo", (H, Dh, D)))
+
+        h_BTD = RMSNorm(c.rms_norm_eps, name="mlp_norm")(x_BTD)
+        gate_BTF = jnp.einsum("btd,df->btf", h_BTD, p("w_gate", (D, c.intermediate_size)))
+        up_BTF = jnp.einsum("btd,df->btf", h_BTD, p("w_up", (D, c.intermediate_size)))
+        x_BTD = x_BTD + jnp.einsum("btf,fd->btd", nn.silu(gate_BTF) * up_BTF,
+                                   p("w_down", (c.intermediate_size, D)))
+        return (x_BTD, cache_k, cache_v), None
+
+
+class Transformer(nn.Module):
+    """tokens -> logits, optionally reading and writing a KV cache.
+
+    Parameter tree (layers stacked on axis 0):
+      embed [V, D]; layers/{attn_norm,mlp_norm}/scale [L, D]; layers/wq [L, D, H, Dh];
+      layers/wk, wv [L, D, G, Dh]; layers/bq, bk, bv (Qwen2); layers/wo [L, H, Dh, D];
+      layers/w_gate, w_up [L, D, F]; layers/w_down [L, F, D]; final_norm/scale [D];
+      lm_head [D, V] (untied only).
+    """
+
+    config: Config
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None):
+        c = self.config
+        embed_VD = self.param("embed", _init, (c.vocab_size, c.hidden_size), jnp.float32)
+        x_BTD = embed_VD.astype(self.dtype)[tokens_BT]
+        layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(c, self.dtype, name="layers")
+        cache_k, cache_v = cache_kv if cache_kv is not None else (None, None)
+        (x_BTD, cache_k, cache_v), _ = layers((x_BTD, cache_k, cache_v), jnp.arange(c.num_layers),
+                                              positions_BT, write_pos_BT)
+        x_BTD = RMSNorm(c.rms_norm_eps, name="final_norm")(x_BTD)
+        if c.tie_embeddings:
+            logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, embed_VD.astype(self.dtype),
+                                    preferred_element_type=jnp.float32)
+        else:
+            head_DV = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), jnp.float32)
+            logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(self.dtype),
+                                    preferred_element_type=jnp.float32)
+        return logits_BTV.astype(jnp.float32), (cache_k, cache_v)
+
+
+def forward(config: Config, params, tokens_BT, *, dtype=jnp.float32):
+    """Full causal forward without a cache: float32[B, T, V] at positions 0..T-1."""
+    B, T = tokens_BT.shape
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    logits, _ = Transformer(config, dtype).apply({"params": params}, tokens_BT, positions_BT)
+    return logits
+
+
+def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=jnp.float32):
+    """Scores T new tokens per row at positions lengths[b] .. lengths[b]+T-1.
+
+    Writes their keys and values into the cache but does not advance `lengths`:
+    the caller commits by moving the length pointer (by the number of tokens it
+    keeps), so a rejected suffix is forgotten without being erased.
+    Returns (logits float32[B, T, V], cache with the new keys/values written).
+    """
+    B, T = tokens_BT.shape
+    positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    logits, (k, v) = Transformer(config, dtype).apply(
+        {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT)
+    return logits, KVCache(k, v, cache.lengths)
+
+
+def init_params(config: Config, seed: int = 0):
+    """Random parameters of the right shapes (tiny test models, random real-shape checks)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return Transformer(config).init(jax.random.PRNGKey(seed), tokens, jnp.zeros((1, 1), jnp.int32))["params"]

@@ -1,0 +1,151 @@
+"""`Model = (config, params, tokenizer)` and `load()`: presets, GGUF files, HF dirs.
+
+Dequantizing a GGUF costs seconds; the converted float32 parameters are saved
+with orbax under the cache directory, keyed by the source's identity, so the
+second load only reads arrays back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models import config as config_lib
+from specjax.models import convert, llama, presets
+from specjax.models.config import Config
+
+_CONVERTER_VERSION = 1  # bump when the parameter tree or conversion changes
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """A decoder: static config, a parameter pytree, and (for real checkpoints) a tokenizer."""
+
+    config: Config
+    params: Any
+    tokenizer: Any = None
+    name: str = ""
+    dtype: Any = jnp.float32  # compute dtype; float32 params are cast inside the forward
+    load_seconds: float | None = None  # wall time of the load that produced this model
+    load_source: str | None = None  # "converted" (first load) or "orbax-cache"
+
+    def logits(self, tokens_BT) -> jax.Array:
+        """Full causal forward, no cache: int32[B, T] -> float32[B, T, V] at positions 0..T-1."""
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        if tokens_BT.ndim != 2 or tokens_BT.shape[1] == 0:
+            raise ValueError(f"tokens must be int32[B, T] with T >= 1, got shape {tokens_BT.shape}")
+        return _logits(self.config, self.dtype, self.params, tokens_BT)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            return (int(self.tokenizer.eos_token_id),)
+        return self.config.eos_token_ids
+
+    def with_params(self, params, **changes) -> "Model":
+        return dataclasses.replace(self, params=params, **changes)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _logits(config, dtype, params, tokens_BT):
+    return llama.forward(config, params, tokens_BT, dtype=dtype)
+
+
+def random_model(config: Config, seed: int = 0, dtype=jnp.float32) -> Model:
+    """A model with random weights (tests, and real-shape checks where no checkpoint is at hand)."""
+    return Model(config, llama.init_params(config, seed), None, f"random-{seed}", dtype)
+
+
+def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True) -> Model:
+    """Loads a preset name, a `.gguf` file or a Hugging Face directory."""
+    start = time.perf_counter()
+    src = str(source)
+    if src in presets.PRESETS:
+        path = presets.resolve(src)
+        key = f"{src}-{presets.PRESETS[src].sha256[:16]}"
+        name = src
+    elif src.endswith(".gguf") or pathlib.Path(src).is_dir():
+        path = pathlib.Path(src)
+        if not path.exists():
+            raise FileNotFoundError(f"no such checkpoint: {src}")
+        st = path.stat() if path.is_file() else (path / "config.json").stat()
+        key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+        name = path.name
+    else:
+        raise presets.PresetError(f"unknown preset {src!r} (known presets: {', '.join(presets.PRESETS)}; "
+                                  "or pass a .gguf file or a Hugging Face model directory)")
+
+    is_gguf = path.is_file()
+    config, tokenizer = _read_config_and_tokenizer(path, is_gguf)
+    ckpt_dir = presets.cache_dir() / "params" / f"{key}-v{_CONVERTER_VERSION}"
+    params, how = None, "converted"
+    if cache and (ckpt_dir / "config.json").is_file():
+        try:
+            params = _restore(ckpt_dir, config)
+            how = "orbax-cache"
+        except Exception as e:  # a corrupt or partial cache is rebuilt, not trusted
+            logging.warning("ignoring unreadable parameter cache %s: %s", ckpt_dir, e)
+    if params is None:
+        params = convert.load_gguf(path)[1] if is_gguf else convert.load_hf_dir(path)[1]
+        if cache:
+            _save(ckpt_dir, config, params)
+    params = jax.tree.map(jnp.asarray, params)
+    return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
+
+
+def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
+    from specjax.models import tokenizer as tokenizer_lib
+
+    if is_gguf:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        fields = convert.gguf_fields(reader)
+        names = [t.name for t in reader.tensors]
+        rope_freqs = None
+        if "rope_freqs.weight" in names:
+            t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+            rope_freqs = gguf.quants.dequantize(t.data, t.tensor_type)
+        config = config_lib.from_gguf_fields(fields, tensor_names=names, rope_freqs=rope_freqs)
+        return config, tokenizer_lib.Tokenizer.from_gguf(reader)
+    config = config_lib.from_hf_dict(json.loads((path / "config.json").read_text()))
+    tok = tokenizer_lib.Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    return config, tok
+
+
+def _save(ckpt_dir: pathlib.Path, config: Config, params) -> None:
+    import orbax.checkpoint as ocp
+
+    ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir.with_name(ckpt_dir.name + f".tmp{os.getpid()}")
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp.resolve() / "params", params, force=True)
+    ckptr.wait_until_finished()
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    if ckpt_dir.exists():
+        import shutil
+
+        shutil.rmtree(ckpt_dir)
+    os.replace(tmp, ckpt_dir)
+
+
+def _restore(ckpt_dir: pathlib.Path, config: Config):
+    import orbax.checkpoint as ocp
+
+    saved = json.loads((ckpt_dir / "config.json").read_text())
+    if saved != json.loads(json.dumps(dataclasses.asdict(config))):
+        raise ValueError("cached config differs from the checkpoint's")
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32),
+                          jax.eval_shape(lambda: llama.init_params(config)))
+    return ocp.StandardCheckpointer().restore(ckpt_dir.resolve() / "params", target)
