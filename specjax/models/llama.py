@@ -130,7 +130,7 @@ class Transformer(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None):
+    def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None, select_BJ=None):
         c = self.config
         embed_VD = self.param("embed", _init, (c.vocab_size, c.hidden_size), jnp.float32)
         x_BTD = embed_VD.astype(self.dtype)[tokens_BT]
@@ -139,6 +139,8 @@ class Transformer(nn.Module):
         cache_k, cache_v = cache_kv if cache_kv is not None else (None, None)
         (x_BTD, cache_k, cache_v), _ = layers((x_BTD, cache_k, cache_v), jnp.arange(c.num_layers),
                                               positions_BT, write_pos_BT)
+        if select_BJ is not None:  # only these positions need logits (prefill: each row's last)
+            x_BTD = jnp.take_along_axis(x_BTD, select_BJ[:, :, None], axis=1)
         x_BTD = RMSNorm(c.rms_norm_eps, name="final_norm")(x_BTD)
         if c.tie_embeddings:
             logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, embed_VD.astype(self.dtype),
@@ -158,18 +160,19 @@ def forward(config: Config, params, tokens_BT, *, dtype=jnp.float32):
     return logits
 
 
-def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=jnp.float32):
+def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=jnp.float32, select_BJ=None):
     """Scores T new tokens per row at positions lengths[b] .. lengths[b]+T-1.
 
     Writes their keys and values into the cache but does not advance `lengths`:
     the caller commits by moving the length pointer (by the number of tokens it
     keeps), so a rejected suffix is forgotten without being erased.
-    Returns (logits float32[B, T, V], cache with the new keys/values written).
+    `select_BJ` (int32[B, J], indices into T) computes logits only at those
+    positions. Returns (logits float32[B, T or J, V], cache with the new keys/values written).
     """
     B, T = tokens_BT.shape
     positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     logits, (k, v) = Transformer(config, dtype).apply(
-        {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT)
+        {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT, select_BJ)
     return logits, KVCache(k, v, cache.lengths)
 
 

