@@ -10,6 +10,8 @@ import pytest
 from specjax import models
 from specjax.models import Config, ConfigError, llama
 
+forward_cached = jax.jit(llama.forward_cached, static_argnums=0)
+
 TINY = Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
               num_kv_heads=2, head_dim=8, rope_theta=500.0)
 
@@ -121,7 +123,7 @@ def test_cache_matches_full_forward_at_ragged_offsets(step):
     prompt_len = np.array([5, 1, 11])
     cache = llama.init_cache(TINY, B, 32)
     padded = jnp.where(jnp.arange(12)[None] < prompt_len[:, None], tokens[:, :12], 0)
-    logits, cache = llama.forward_cached(TINY, params, padded, cache)
+    logits, cache = forward_cached(TINY, params, padded, cache)
     cache = cache._replace(lengths=jnp.asarray(prompt_len, jnp.int32))
     for b in range(B):
         np.testing.assert_allclose(logits[b, : prompt_len[b]], full[b, : prompt_len[b]], atol=2e-5)
@@ -131,7 +133,7 @@ def test_cache_matches_full_forward_at_ragged_offsets(step):
     while (pos + step <= T).all():
         chunk = jnp.stack([tokens[b, pos[b]: pos[b] + step] for b in range(B)])
         junk = jnp.asarray(rng.integers(0, TINY.vocab_size, (B, 2)), jnp.int32)
-        logits, cache = llama.forward_cached(TINY, params, jnp.concatenate([chunk, junk], 1), cache)
+        logits, cache = forward_cached(TINY, params, jnp.concatenate([chunk, junk], 1), cache)
         for b in range(B):
             np.testing.assert_allclose(logits[b, :step], full[b, pos[b]: pos[b] + step], atol=2e-5)
         keep = np.minimum(rng.integers(1, step + 1, B), T - pos)
@@ -143,9 +145,9 @@ def test_select_positions_gives_the_same_logits():
     params = llama.init_params(TINY, seed=3)
     tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 9), 0, TINY.vocab_size)
     cache = llama.init_cache(TINY, 2, 16)
-    all_logits, _ = llama.forward_cached(TINY, params, tokens, cache)
+    all_logits, _ = forward_cached(TINY, params, tokens, cache)
     sel = jnp.array([[8], [3]])
-    some, _ = llama.forward_cached(TINY, params, tokens, cache, select_BJ=sel)
+    some, _ = forward_cached(TINY, params, tokens, cache, select_BJ=sel)
     np.testing.assert_allclose(some[:, 0], jnp.stack([all_logits[0, 8], all_logits[1, 3]]), atol=1e-5)
 
 
