@@ -179,4 +179,5 @@ def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=j
 def init_params(config: Config, seed: int = 0):
     """Random parameters of the right shapes (tiny test models, random real-shape checks)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return Transformer(config).init(jax.random.PRNGKey(seed), tokens, jnp.zeros((1, 1), jnp.int32))["params"]
+    init = jax.jit(Transformer(config).init)  # eager Linen init of a scanned stack is slow
+    return init(jax.random.PRNGKey(seed), tokens, tokens)["params"]

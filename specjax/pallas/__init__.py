@@ -1,1 +1,28 @@
-"""Pallas kernels with pure-jnp references."""
+"""Pallas kernels with pure-jnp references.
+
+- `gate_stats`: one pass over [..., V] logits -> max, argmax, log-sum-exp, entropy
+  (full, normalized, top-3) and a given token's logit (`GateStats`).
+- `gate_stats_sharded`: the same for logits sharded over V on a mesh axis.
+- `regret_prefix`: SPEC.md's ASD cumulative-regret prefix selection for a batch.
+
+Each dispatches (see `_dispatch`) to the compiled kernel on GPU/TPU and to its jnp
+reference on CPU; `impl="kernel"`, `set_impl("kernel")` or `SPECJAX_PALLAS=kernel`
+forces the kernel (interpret mode on CPU).
+"""
+
+from specjax.pallas._dispatch import ENV_VAR, set_impl
+from specjax.pallas.gate_stats import (GatePartials, GateStats, combine_partials,
+                                       finalize_partials, gate_partials,
+                                       gate_partials_reference, gate_stats,
+                                       gate_stats_reference)
+from specjax.pallas.regret_prefix import (RegretPrefix, regret_prefix,
+                                          regret_prefix_reference, suffix_weights)
+from specjax.pallas.sharded import gate_stats_sharded
+
+__all__ = [
+    "ENV_VAR", "set_impl",
+    "GateStats", "GatePartials", "gate_stats", "gate_stats_reference", "gate_partials",
+    "gate_partials_reference", "combine_partials", "finalize_partials",
+    "gate_stats_sharded",
+    "RegretPrefix", "regret_prefix", "regret_prefix_reference", "suffix_weights",
+]

@@ -1,1 +1,34 @@
-"""Acceptance rules (SPEC.md): pure, jit-able, vmap-friendly functions."""
+"""Acceptance rules (SPEC.md): pure, jit-able, vmap-friendly functions.
+
+Each rule verifies one sequence (draft_tokens int[K], target_logits [K+1, V]);
+jax.vmap gives the batch. make_policy wraps a rule and its state for the engine.
+"""
+
+from specjax.verify._asd import asd
+from specjax.verify._common import RowStats, Verdict, row_stats
+from specjax.verify._csd import csd, csd_batch
+from specjax.verify._csd_memory import CSDMemory, csd_count, csd_memory
+from specjax.verify._fly import fly
+from specjax.verify._greedy import greedy
+from specjax.verify._policy import METHODS, Policy, make_policy
+from specjax.verify._sampling import speculative_sampling
+from specjax.verify._typical import typical
+
+__all__ = [
+    "CSDMemory",
+    "METHODS",
+    "Policy",
+    "RowStats",
+    "Verdict",
+    "asd",
+    "csd",
+    "csd_batch",
+    "csd_count",
+    "csd_memory",
+    "fly",
+    "greedy",
+    "make_policy",
+    "row_stats",
+    "speculative_sampling",
+    "typical",
+]
