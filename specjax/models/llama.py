@@ -20,9 +20,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from specjax.models import quant
 from specjax.models.config import Config
 
 _init = nn.initializers.normal(0.02)
+
+
+def _weight(module: nn.Module, name: str, shape):
+    """A parameter that may be stored block-quantized (`quant.BlockQuant`).
+
+    `self.param` checks the stored value against the initializer's shape, which a
+    quantized weight (codes + scales) does not have, so stored values are read directly.
+    """
+    if module.has_variable("params", name) and not module.is_initializing():
+        return module.get_variable("params", name)
+    return module.param(name, _init, shape, jnp.float32)
 
 
 class KVCache(NamedTuple):
@@ -76,7 +88,8 @@ class Block(nn.Module):
         x_BTD, cache_k, cache_v = carry
         D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         B, T, _ = x_BTD.shape
-        p = lambda name, shape: self.param(name, _init, shape, jnp.float32).astype(self.dtype)  # noqa: E731
+        # a weight may be a float array or a block-quantized one, dequantized here (fused by XLA)
+        p = lambda name, shape: quant.materialize(_weight(self, name, shape), self.dtype)  # noqa: E731
 
         h_BTD = RMSNorm(c.rms_norm_eps, name="attn_norm")(x_BTD)
         q_BTHK = jnp.einsum("btd,dhk->bthk", h_BTD, p("wq", (D, H, Dh)))
@@ -120,7 +133,7 @@ class Transformer(nn.Module):
     """tokens -> logits, optionally reading and writing a KV cache.
 
     Parameter tree (layers stacked on axis 0):
-      embed [V, D]; layers/{attn_norm,mlp_norm}/scale [L, D]; layers/wq [L, D, H, Dh];
+      embed [D, V]; layers/{attn_norm,mlp_norm}/scale [L, D]; layers/wq [L, D, H, Dh];
       layers/wk, wv [L, D, G, Dh]; layers/bq, bk, bv (Qwen2); layers/wo [L, H, Dh, D];
       layers/w_gate, w_up [L, D, F]; layers/w_down [L, F, D]; final_norm/scale [D];
       lm_head [D, V] (untied only).
@@ -132,8 +145,11 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None, select_BJ=None):
         c = self.config
-        embed_VD = self.param("embed", _init, (c.vocab_size, c.hidden_size), jnp.float32)
-        x_BTD = embed_VD.astype(self.dtype)[tokens_BT]
+        # Stored [D, V], the LM head's layout: the tied head reads the whole table every
+        # step (measured 1.5x faster than contracting a [V, D] table on CPU); the lookup
+        # only gathers a few columns.
+        embed_DV = _weight(self, "embed", (c.hidden_size, c.vocab_size)).astype(self.dtype)
+        x_BTD = jnp.moveaxis(jnp.take(embed_DV, tokens_BT, axis=1), 0, -1)
         layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                          in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(c, self.dtype, name="layers")
         cache_k, cache_v = cache_kv if cache_kv is not None else (None, None)
@@ -143,11 +159,11 @@ class Transformer(nn.Module):
             x_BTD = jnp.take_along_axis(x_BTD, select_BJ[:, :, None], axis=1)
         x_BTD = RMSNorm(c.rms_norm_eps, name="final_norm")(x_BTD)
         if c.tie_embeddings:
-            logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, embed_VD.astype(self.dtype),
+            logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, embed_DV,
                                     preferred_element_type=jnp.float32)
         else:
-            head_DV = self.param("lm_head", _init, (c.hidden_size, c.vocab_size), jnp.float32)
-            logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(self.dtype),
+            head_DV = _weight(self, "lm_head", (c.hidden_size, c.vocab_size))
+            logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, quant.materialize(head_DV, self.dtype),
                                     preferred_element_type=jnp.float32)
         return logits_BTV.astype(jnp.float32), (cache_k, cache_v)
 

@@ -19,13 +19,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 from specjax.models import config as config_lib
-from specjax.models import convert, llama, presets
+from specjax.models import convert, llama, presets, quant
 from specjax.models.config import Config
 
-_CONVERTER_VERSION = 1  # bump when the parameter tree or conversion changes
+_CONVERTER_VERSION = 2  # bump when the parameter tree or conversion changes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -67,8 +65,13 @@ def random_model(config: Config, seed: int = 0, dtype=jnp.float32) -> Model:
     return Model(config, llama.init_params(config, seed), None, f"random-{seed}", dtype)
 
 
-def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True) -> Model:
-    """Loads a preset name, a `.gguf` file or a Hugging Face directory."""
+def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
+         keep_quantized: bool = True) -> Model:
+    """Loads a preset name, a `.gguf` file or a Hugging Face directory.
+
+    `keep_quantized`: a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 layer weights stay block-quantized
+    (the same values, about a quarter of the bytes; see `quant`); False expands them to float32.
+    """
     start = time.perf_counter()
     src = str(source)
     if src in presets.PRESETS:
@@ -88,7 +91,8 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True) ->
 
     is_gguf = path.is_file()
     config, tokenizer = _read_config_and_tokenizer(path, is_gguf)
-    ckpt_dir = presets.cache_dir() / "params" / f"{key}-v{_CONVERTER_VERSION}"
+    keep_quantized = keep_quantized and is_gguf
+    ckpt_dir = presets.cache_dir() / "params" / f"{key}-v{_CONVERTER_VERSION}{'-q' if keep_quantized else ''}"
     params, how = None, "converted"
     if cache and (ckpt_dir / "config.json").is_file():
         try:
@@ -97,7 +101,8 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True) ->
         except Exception as e:  # a corrupt or partial cache is rebuilt, not trusted
             logging.warning("ignoring unreadable parameter cache %s: %s", ckpt_dir, e)
     if params is None:
-        params = convert.load_gguf(path)[1] if is_gguf else convert.load_hf_dir(path)[1]
+        params = (convert.load_gguf(path, keep_quantized=keep_quantized)[1] if is_gguf
+                  else convert.load_hf_dir(path)[1])
         if cache:
             _save(ckpt_dir, config, params)
     params = jax.tree.map(jnp.asarray, params)
@@ -127,12 +132,14 @@ def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
 def _save(ckpt_dir: pathlib.Path, config: Config, params) -> None:
     import orbax.checkpoint as ocp
 
+    plain, quantized = quant.to_plain(params)
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_dir.with_name(ckpt_dir.name + f".tmp{os.getpid()}")
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(tmp.resolve() / "params", params, force=True)
+    ckptr.save(tmp.resolve() / "params", plain, force=True)
     ckptr.wait_until_finished()
     (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+    (tmp / "quantized.json").write_text(json.dumps(quantized))
     if ckpt_dir.exists():
         import shutil
 
@@ -146,6 +153,5 @@ def _restore(ckpt_dir: pathlib.Path, config: Config):
     saved = json.loads((ckpt_dir / "config.json").read_text())
     if saved != json.loads(json.dumps(dataclasses.asdict(config))):
         raise ValueError("cached config differs from the checkpoint's")
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32),
-                          jax.eval_shape(lambda: llama.init_params(config)))
-    return ocp.StandardCheckpointer().restore(ckpt_dir.resolve() / "params", target)
+    plain = ocp.StandardCheckpointer().restore(ckpt_dir.resolve() / "params")
+    return quant.from_plain(plain, json.loads((ckpt_dir / "quantized.json").read_text()))

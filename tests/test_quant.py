@@ -1,0 +1,69 @@
+"""Block-quantized weights: the values are gguf's own, only the storage differs."""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.models import quant
+
+T = gguf.GGMLQuantizationType
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0])
+def test_codes_reproduce_gguf_dequantization_exactly(qtype):
+    rng = np.random.default_rng(int(qtype))
+    w = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    w[3] = 0.0  # an all-zero block row
+    w[5, :32] = 7.0  # a constant block
+    data = gguf.quants.quantize(w, qtype)
+    reference = gguf.quants.dequantize(data, qtype)
+    raw = quant.extract_codes(data, qtype)
+    assert raw.codes.dtype == np.int8 and raw.codes.shape == (48, 96)
+    bq = raw.as_linear((96, 48))  # ours: [in, out]
+    np.testing.assert_array_equal(np.asarray(bq.dequantize()), reference.T)
+    # inside jit too (XLA may contract to a fused multiply-add: still exact, code*scale is exact)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda b: b.dequantize())(bq)), reference.T)
+
+
+def test_row_permutation_moves_codes_and_scales_together():
+    w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    data = gguf.quants.quantize(w, T.Q4_1)
+    raw = quant.extract_codes(data, T.Q4_1)
+    perm = np.array([3, 1, 0, 2, 7, 6, 5, 4])
+    got = raw.permute_rows(perm).as_linear((64, 8)).dequantize()
+    np.testing.assert_array_equal(np.asarray(got), gguf.quants.dequantize(data, T.Q4_1)[perm].T)
+
+
+def test_stacked_layers_and_plain_round_trip():
+    mats = [gguf.quants.quantize(np.full((4, 32), i + 0.5, np.float32), T.Q8_0) for i in range(3)]
+    per_layer = [quant.extract_codes(m, T.Q8_0).as_linear((32, 2, 2)) for m in mats]
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *per_layer)
+    assert stacked.codes.shape == (3, 1, 32, 4) and stacked.shape == (32, 2, 2)
+    np.testing.assert_allclose(np.asarray(stacked.dequantize())[2], np.full((32, 2, 2), 2.5), rtol=1e-2)
+    plain, shapes = quant.to_plain({"layers": {"w": stacked}, "norm": np.ones(3)})
+    assert shapes == {"/layers/w": [32, 2, 2]} and set(plain["layers"]["w"]) == {"codes", "scale"}
+    back = quant.from_plain(plain, shapes)
+    np.testing.assert_array_equal(back["layers"]["w"].dequantize(), stacked.dequantize())
+    assert quant.param_bytes(back) == stacked.codes.nbytes + stacked.scale.nbytes + 3 * 8
+
+
+def test_unsupported_layout_is_refused():
+    data = gguf.quants.quantize(np.ones((2, 32), np.float32), T.Q8_0)
+    broken = data.copy()
+    broken[:, 0:2] = np.array([np.nan], np.float16).view(np.uint8)  # a scale that cannot round-trip
+    with pytest.raises(ValueError, match="do not reproduce gguf's dequantization"):
+        quant.extract_codes(broken, T.Q8_0)
+
+
+@pytest.mark.smollm2
+def test_smollm2_quantized_storage_gives_the_float32_logits(smollm2):
+    from specjax.models import convert, llama, presets
+
+    _, float_params, _ = convert.load_gguf(presets.resolve("smollm2-135m-instruct"), keep_quantized=False)
+    assert quant.param_bytes(smollm2.params) < 0.5 * quant.param_bytes(float_params)
+    tokens = jnp.asarray([smollm2.tokenizer.encode("The capital of France is")])
+    ours = smollm2.logits(tokens)
+    ref = jax.jit(llama.forward, static_argnums=0)(smollm2.config, jax.tree.map(jnp.asarray, float_params), tokens)
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
