@@ -132,11 +132,16 @@ def generate_program(config, s: Settings, params, prompt_BT, prompt_len_B, key):
 
 
 class Engine:
-    """Compiles and runs generation for a target model (see DESIGN.md's public API)."""
+    """Compiles and runs generation for a target model (see DESIGN.md's public API).
+
+    Beyond DESIGN.md's arguments: `eos_ids` overrides the tokens that end a row
+    (default: the model's EOS; `()` generates exactly max_new_tokens, as benchmarks do).
+    """
 
     def __init__(self, target: Model, draft=None, method: str = "greedy", k: int = 8,
                  max_new_tokens: int = 128, max_len: int | None = None, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, mesh=None, **rule_options):
+                 top_p: float = 1.0, seed: int = 0, mesh=None, eos_ids: Sequence[int] | None = None,
+                 **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
         if draft is not None:
@@ -160,6 +165,8 @@ class Engine:
         self.target, self.draft, self.method, self.k = target, draft, method, int(k)
         self.max_new_tokens, self.max_len = int(max_new_tokens), max_len
         self.temperature, self.top_p, self.seed, self.mesh = float(temperature), float(top_p), seed, mesh
+        # eos_ids: tokens that end a row (None: the model's EOS; () : never stop early, for benchmarks)
+        self.eos_ids = tuple(int(e) for e in (target.eos_token_ids if eos_ids is None else eos_ids))
         self._program = jax.jit(generate_program, static_argnums=(0, 1))
 
     # -- inputs --------------------------------------------------------------
@@ -192,7 +199,7 @@ class Engine:
         for i, p in enumerate(prompts):
             prompt_BT[i, : lengths[i]] = p
         s = Settings(self.max_new_tokens, max_len, self.temperature, self.top_p,
-                     tuple(self.target.eos_token_ids), self.target.dtype)
+                     self.eos_ids, self.target.dtype)
         args = (self.target.params, jnp.asarray(prompt_BT), jnp.asarray(lengths, jnp.int32),
                 jax.random.PRNGKey(self.seed))
         return s, args
