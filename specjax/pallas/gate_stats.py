@@ -1,0 +1,166 @@
+"""Entropy-gate statistics of target logits: one read of [..., V] gives every rule its numbers.
+
+    stats = gate_stats(logits_BxKp1xV, draft_tokens_BxKp1)
+    stats.argmax                          # t[i] (lowest index on ties)
+    stats.max_logit - stats.token_logit   # ASD regret r[i]
+    stats.entropy_normalized, stats.entropy_top3   # SPEC.md "Entropy"
+
+`gate_stats_reference` is the straightforward jnp version (softmax, top_k);
+`gate_stats` dispatches to the Pallas kernel or to it (see `_dispatch`).
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.pallas import _dispatch, _gate_kernel, _online
+from specjax.pallas._online import MAX_VOCAB, NEG_INF, GatePartials, GateStats
+
+__all__ = ["GateStats", "GatePartials", "gate_stats", "gate_stats_reference",
+           "gate_partials", "gate_partials_reference", "combine_partials",
+           "finalize_partials"]
+
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+combine_partials = _online.combine_partials
+finalize_partials = _online.finalize
+
+
+def check_inputs(logits, tokens) -> None:
+    """Raises ValueError for inputs the statistics do not support (before any tracing)."""
+    shape = getattr(logits, "shape", None)
+    dtype = getattr(logits, "dtype", None)
+    if shape is None or dtype is None:
+        raise ValueError(f"logits must be an array, got {type(logits).__name__}")
+    if len(shape) < 1:
+        raise ValueError("logits must have a vocabulary axis: shape [..., V], got a scalar")
+    vocab = shape[-1]
+    if vocab == 0:
+        raise ValueError(f"logits have an empty vocabulary axis (shape {tuple(shape)}); V must be >= 1")
+    if vocab >= MAX_VOCAB:
+        raise ValueError(f"vocabulary size {vocab} is too large: V must be < {MAX_VOCAB}")
+    if jnp.dtype(dtype) not in _FLOAT_DTYPES:
+        raise ValueError(f"logits must be float32 or bfloat16, got {jnp.dtype(dtype)}")
+    if tokens is not None:
+        tshape = getattr(tokens, "shape", None)
+        tdtype = getattr(tokens, "dtype", None)
+        if tshape is None or tdtype is None:
+            raise ValueError(f"tokens must be an integer array, got {type(tokens).__name__}")
+        if not jnp.issubdtype(tdtype, jnp.integer):
+            raise ValueError(f"tokens must have an integer dtype, got {jnp.dtype(tdtype)}")
+        if tuple(tshape) != tuple(shape[:-1]):
+            raise ValueError(f"tokens must have the leading shape of the logits {tuple(shape[:-1])}, "
+                             f"got {tuple(tshape)}")
+
+
+def gate_stats_reference(logits, tokens=None) -> GateStats:
+    """Straightforward jnp statistics of `logits` [..., V]; tokens int [...] or None."""
+    check_inputs(logits, tokens)
+    return _reference(logits, tokens)
+
+
+@jax.jit
+def _reference(logits, tokens) -> GateStats:
+    x = logits.astype(jnp.float32)
+    V = x.shape[-1]
+    m = jnp.max(x, axis=-1, keepdims=True)
+    ms = jnp.where(m == NEG_INF, 0.0, m)
+    d = x - ms                                   # <= 0; -inf entries give exp(d) = 0
+    e = jnp.exp(d)
+    s = jnp.sum(e, axis=-1)
+    lse = ms[..., 0] + jnp.log(s)
+    # H = -sum p log p with p = e / s, log p = d - log s; 0 log 0 = 0.
+    entropy = jnp.log(s) - jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1) / s
+    entropy = jnp.maximum(entropy, 0.0)
+    normalized = _online.normalized_entropy(entropy, s, V)
+    top = jax.lax.top_k(x, min(3, V))[0]
+    if tokens is None:
+        token_logit = jnp.full(x.shape[:-1], jnp.nan, jnp.float32)
+    else:
+        tok = tokens.astype(jnp.int32)
+        ok = (tok >= 0) & (tok < V)
+        picked = jnp.take_along_axis(x, jnp.clip(tok, 0, V - 1)[..., None], axis=-1)[..., 0]
+        token_logit = jnp.where(ok, picked, jnp.nan)
+    return GateStats(
+        max_logit=m[..., 0],
+        argmax=jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lse=lse,
+        entropy=entropy,
+        entropy_normalized=normalized,
+        entropy_top3=_online.top3_entropy(top, lse),
+        token_logit=token_logit,
+    )
+
+
+def gate_partials_reference(x_NxV, tok_N) -> GatePartials:
+    """jnp partial statistics of each row (the kernel's output, computed directly).
+
+    tok_N: int32 [N] column index local to these rows (out of range contributes 0).
+    """
+    x = x_NxV.astype(jnp.float32)
+    V = x.shape[-1]
+    m = jnp.max(x, axis=-1)
+    d = x - jnp.where(m == NEG_INF, 0.0, m)[:, None]
+    e = jnp.exp(d)
+    top = jax.lax.top_k(x, min(3, V))[0]
+    if V < 3:
+        top = jnp.pad(top, ((0, 0), (0, 3 - V)), constant_values=NEG_INF)
+    col = jnp.arange(V, dtype=jnp.int32)
+    return GatePartials(
+        max=m,
+        sum_exp=jnp.sum(e, axis=-1),
+        sum_exp_shift=jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1),
+        top3=top,
+        argmax=jnp.argmax(x, axis=-1).astype(jnp.int32),
+        token_logit=jnp.sum(jnp.where(col[None] == tok_N[:, None], x, 0.0), axis=-1),
+    )
+
+
+def gate_partials(x_NxV, tok_N, *, impl="kernel", interpret=None, variant=None,
+                  block_v=None, block_n=None, num_splits=None) -> GatePartials:
+    """Partial statistics of rows [N, V] (kernel or jnp); used by the sharded path."""
+    if impl == "reference":
+        return gate_partials_reference(x_NxV, tok_N)
+    variant = _dispatch.resolve_variant(variant)
+    block_v = block_v or _gate_kernel.DEFAULT_BLOCK_V[variant]
+    _gate_kernel.check_block_v(block_v, variant)
+    if block_n is None:
+        block_n = _gate_kernel.DEFAULT_BLOCK_N
+    elif block_n < 8 or block_n % 8:
+        raise ValueError(f"block_n must be a positive multiple of 8, got {block_n}")
+    interpret = _dispatch.resolve_interpret(interpret)
+    _dispatch.check_compiled_variant(variant, interpret)
+    return _gate_kernel.gate_partials_kernel(
+        x_NxV, tok_N, variant=variant, block_v=block_v, block_n=block_n,
+        num_splits=num_splits, interpret=interpret)
+
+
+def gate_stats(logits, tokens=None, *, impl=None, interpret=None, variant=None,
+               block_v=None, block_n=None, num_splits=None) -> GateStats:
+    """Per-row GateStats of logits [..., V] (float32 or bfloat16), in one pass.
+
+    tokens: integer [...] (e.g. the draft token of each row) whose logit to report, or None.
+    impl: None (auto: kernel on GPU/TPU, reference on CPU; see `_dispatch`), "kernel",
+      "reference". interpret: None (auto: on CPU) or bool. variant: None (by backend),
+      "mosaic" (TPU) or "triton" (GPU). block_v: vocabulary block (multiple of 128; a power
+      of two for triton). block_n: rows per mosaic tile (multiple of 8). num_splits:
+      vocabulary splits per row (triton default: enough to fill the device).
+    Rows need at least one finite logit; a row of only -inf has lse -inf and NaN entropies.
+    """
+    check_inputs(logits, tokens)
+    if _dispatch.resolve_impl(impl) == "reference":
+        return gate_stats_reference(logits, tokens)
+    *lead, V = logits.shape
+    N = int(np.prod(lead, dtype=np.int64))
+    if N == 0:
+        return gate_stats_reference(logits, tokens)
+    x = jnp.reshape(logits, (N, V))
+    tok = (jnp.full((N,), -1, jnp.int32) if tokens is None
+           else jnp.reshape(tokens, (N,)).astype(jnp.int32))
+    p = gate_partials(x, tok, impl="kernel", interpret=interpret, variant=variant,
+                      block_v=block_v, block_n=block_n, num_splits=num_splits)
+    stats = _online.finalize(p, V, None if tokens is None else tok)
+    return GateStats(*(jnp.reshape(a, lead) for a in stats))
