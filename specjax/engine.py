@@ -1,58 +1,26 @@
-"""The generation engine: prefill, then one `jax.lax.while_loop` over rounds.
+"""`specjax.Engine`: validates a request, then runs the one compiled generation program.
 
-    prompt -> prefill (first token) -> while any row is live: round -> tokens, stats
-
-A round scores each row's pending token (the last emitted one, not yet in the
-target's cache) and commits the token that follows it. Committing is written
-for blocks of `n + 1` tokens per row at per-row offsets (`commit`), the shape
-that speculative rounds produce; target-only decoding is the case n = 0 and
-is the baseline every speedup is measured against. The whole generation is
-one compiled program: no host round trip per token or per round.
+The program itself (prefill + one while_loop of draft, score, verify, commit)
+is in `loop.py`; drafters in `drafters.py`; rules in `verify`. This module
+turns the public arguments into those static pieces, catches bad input before
+compiling, and turns the program's arrays into tokens and statistics.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import sampling
-from specjax.models import llama
-from specjax.models.llama import KVCache
+from specjax import drafters, loop, verify
 from specjax.models.model import Model
 
-METHODS = ("greedy", "exact")
 _PROMPT_BUCKET = 16  # prompt lengths are padded to a multiple of this to limit recompiles
 _CACHE_BUCKET = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """Static, hashable generation settings (a jit static argument)."""
-
-    max_new_tokens: int
-    max_len: int
-    temperature: float
-    top_p: float
-    eos_ids: tuple[int, ...]
-    dtype: Any = jnp.float32
-
-
-class LoopState(NamedTuple):
-    """Everything the while_loop carries (one named pytree)."""
-
-    cache: KVCache  # target cache; lengths[b] = tokens of row b already in it
-    pending_B: jax.Array  # int32[B]: last emitted token, not yet in the cache
-    out_BN: jax.Array  # int32[B, N]: emitted tokens (N = max_new_tokens)
-    num_out_B: jax.Array  # int32[B]
-    done_B: jax.Array  # bool[B]
-    key: jax.Array
-    rounds_B: jax.Array  # int32[B]: verification forwards in which the row was live
-    round_tokens_B: jax.Array  # int32[B]: tokens emitted by rounds (the prefill token excluded)
+DRAFTS = ("None", "a Model", "'pld'", "'self:N'", "('pld', Model)")
 
 
 @dataclasses.dataclass
@@ -61,100 +29,30 @@ class GenerateOutput:
     stats: dict[str, Any]
 
 
-def commit(state: LoopState, block_BJ, count_B, advance_B, s: Settings) -> LoopState:
-    """Emits `block_BJ[b, :count_B[b]]` for each live row and moves its cache pointer.
-
-    The count is cut at `max_new_tokens` and just after the first EOS, so no row
-    ever emits past either. `advance_B` is how many fed tokens the cache keeps
-    (the pending token plus the accepted drafts); the last emitted token becomes
-    the new pending one.
-    """
-    B, J = block_BJ.shape
-    live_B = ~state.done_B
-    j_J = jnp.arange(J, dtype=jnp.int32)
-    room_B = s.max_new_tokens - state.num_out_B
-    count_B = jnp.minimum(count_B, room_B)
-    if s.eos_ids:
-        is_eos_BJ = jnp.isin(block_BJ, jnp.asarray(s.eos_ids, jnp.int32)) & (j_J[None] < count_B[:, None])
-        first_eos_B = jnp.where(is_eos_BJ.any(-1), jnp.argmax(is_eos_BJ, axis=-1), J)
-        hit_eos_B = first_eos_B < count_B
-        count_B = jnp.minimum(count_B, first_eos_B + 1)
-    else:
-        hit_eos_B = jnp.zeros((B,), bool)
-    count_B = jnp.where(live_B, count_B, 0)
-    write_BJ = jnp.where(j_J[None] < count_B[:, None], state.num_out_B[:, None] + j_J[None], s.max_new_tokens)
-    out_BN = state.out_BN.at[jnp.arange(B)[:, None], write_BJ].set(block_BJ, mode="drop")
-    num_out_B = state.num_out_B + count_B
-    last_B = jnp.take_along_axis(block_BJ, jnp.maximum(count_B - 1, 0)[:, None], axis=1)[:, 0]
-    return state._replace(
-        cache=state.cache._replace(lengths=state.cache.lengths + jnp.where(live_B, advance_B, 0)),
-        pending_B=jnp.where(live_B, last_B, state.pending_B),
-        out_BN=out_BN,
-        num_out_B=num_out_B,
-        done_B=state.done_B | (live_B & (hit_eos_B | (num_out_B >= s.max_new_tokens))),
-        rounds_B=state.rounds_B + live_B,
-        round_tokens_B=state.round_tokens_B + count_B,
-    )
-
-
-def prefill(config, params, prompt_BT, prompt_len_B, key, s: Settings) -> LoopState:
-    """Runs the ragged, right-padded prompts through the target and emits each row's first token."""
-    B, T = prompt_BT.shape
-    cache = llama.init_cache(config, B, s.max_len, s.dtype)
-    last_B1 = (prompt_len_B - 1)[:, None]
-    logits_B1V, cache = llama.forward_cached(config, params, prompt_BT, cache, dtype=s.dtype, select_BJ=last_B1)
-    key, sub = jax.random.split(key)
-    first_B = sampling.sample(sub, logits_B1V[:, 0], s.temperature, s.top_p)
-    zeros = jnp.zeros((B,), jnp.int32)
-    state = LoopState(cache._replace(lengths=prompt_len_B), first_B, jnp.zeros((B, s.max_new_tokens), jnp.int32),
-                      zeros, jnp.zeros((B,), bool), key, zeros, zeros)
-    # The prefill token is emitted like a round's but is not a round's: undo the round counters.
-    state = commit(state, first_B[:, None], jnp.ones((B,), jnp.int32), zeros, s)
-    return state._replace(rounds_B=zeros, round_tokens_B=zeros)
-
-
-def target_only_round(config, params, state: LoopState, s: Settings) -> LoopState:
-    """Autoregressive baseline: score the pending token, emit the next one."""
-    logits_B1V, cache = llama.forward_cached(config, params, state.pending_B[:, None], state.cache, dtype=s.dtype)
-    key, sub = jax.random.split(state.key)
-    next_B = sampling.sample(sub, logits_B1V[:, 0], s.temperature, s.top_p)
-    state = state._replace(cache=cache, key=key)
-    ones = jnp.ones_like(next_B)
-    return commit(state, next_B[:, None], ones, ones, s)
-
-
-def generate_program(config, s: Settings, params, prompt_BT, prompt_len_B, key):
-    """The whole generation as one traceable function (prefill + one while_loop)."""
-    state = prefill(config, params, prompt_BT, prompt_len_B, key, s)
-    state = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B),
-                               lambda st: target_only_round(config, params, st, s), state)
-    return state.out_BN, state.num_out_B, state.rounds_B, state.round_tokens_B
-
-
 class Engine:
-    """Compiles and runs generation for a target model (see DESIGN.md's public API).
+    """Compiles and runs generation (DESIGN.md's public API).
 
+    draft: None (target-only autoregressive decoding, the baseline), a `Model`
+    sharing the target's vocabulary, "pld" (prompt lookup), "self:N" (the
+    target's first N layers), or ("pld", Model) (FLy's multi-level drafting).
+    method: a `verify` method (greedy/exact, fly, asd, csd, typical, sampling);
+    at temperature > 0, greedy/exact verify by lossless speculative sampling.
     Beyond DESIGN.md's arguments: `eos_ids` overrides the tokens that end a row
-    (default: the model's EOS; `()` generates exactly max_new_tokens, as benchmarks do).
+    (default: the model's EOS; `()` generates exactly max_new_tokens, as benchmarks
+    do), and `pld_match` ("earliest" or "latest") picks prompt lookup's occurrence.
     """
 
     def __init__(self, target: Model, draft=None, method: str = "greedy", k: int = 8,
                  max_new_tokens: int = 128, max_len: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, mesh=None, eos_ids: Sequence[int] | None = None,
-                 **rule_options):
+                 pld_match: str = "earliest", **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
-        if draft is not None:
-            raise NotImplementedError("speculative drafts are not implemented yet: use draft=None")
         if mesh is not None:
             raise NotImplementedError("mesh= is not implemented yet: run on one device (mesh=None)")
-        if rule_options:
-            raise TypeError(f"unknown option(s) for method {method!r}: {', '.join(sorted(rule_options))}")
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r} (supported: {', '.join(METHODS)})")
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if not isinstance(k, (int, np.integer)) or k < 1:
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -162,12 +60,56 @@ class Engine:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if max_len is not None and max_len <= 1:
             raise ValueError(f"max_len must be > 1, got {max_len}")
-        self.target, self.draft, self.method, self.k = target, draft, method, int(k)
+        if pld_match not in ("earliest", "latest"):
+            raise ValueError(f"pld_match must be 'earliest' or 'latest', got {pld_match!r}")
+        if method not in verify.METHODS:
+            raise ValueError(f"unknown method {method!r} (supported: {', '.join(verify.METHODS)})")
+        self.target, self.method, self.k = target, method, int(k)
         self.max_new_tokens, self.max_len = int(max_new_tokens), max_len
         self.temperature, self.top_p, self.seed, self.mesh = float(temperature), float(top_p), seed, mesh
-        # eos_ids: tokens that end a row (None: the model's EOS; () : never stop early, for benchmarks)
         self.eos_ids = tuple(int(e) for e in (target.eos_token_ids if eos_ids is None else eos_ids))
-        self._program = jax.jit(generate_program, static_argnums=(0, 1))
+        self.drafter, self.draft_params = self._drafter(draft, pld_match)
+        self.draft = draft
+        if self.drafter is None:
+            if method not in ("greedy", "exact") or rule_options:
+                what = f"method {method!r}" if method not in ("greedy", "exact") else \
+                    f"option(s) {', '.join(sorted(rule_options))}"
+                raise ValueError(f"{what} needs a draft: draft=None is target-only decoding")
+            self.policy = None
+        else:
+            if self.top_p < 1.0:
+                raise ValueError("top_p < 1 is only supported for target-only decoding (draft=None): "
+                                 "speculative sampling preserves the target's full distribution")
+            rule = "sampling" if self.temperature > 0 and method in ("greedy", "exact") else method
+            try:
+                self.policy = verify.make_policy(rule, k=self.k, temperature=self.temperature, **rule_options)
+            except ValueError as e:
+                raise ValueError(str(e).replace("make_policy", "Engine")) from None
+        self._program = jax.jit(loop.generate_program, static_argnums=(0, 1, 2, 3))
+
+    def _drafter(self, draft, pld_match):
+        t, k = self.target, self.k
+        if draft is None:
+            return None, ()
+        if isinstance(draft, str) and draft == "pld":
+            return drafters.PromptLookup(k, match=pld_match), ()
+        if isinstance(draft, str) and draft.startswith("self:"):
+            n = draft[len("self:"):]
+            if not n.isdigit() or not 1 <= int(n) < t.config.num_layers:
+                raise ValueError(f"draft {draft!r}: N must be an integer in [1, {t.config.num_layers - 1}]")
+            config = dataclasses.replace(t.config, num_layers=int(n))
+            return (drafters.ModelDrafter(config, k, t.dtype, draft),
+                    drafters.self_draft_params(t.params, int(n)))
+        if isinstance(draft, Model):
+            _check_vocab(t, draft)
+            return drafters.ModelDrafter(draft.config, k, draft.dtype, draft.name or "draft"), draft.params
+        if isinstance(draft, tuple) and len(draft) == 2 and draft[0] == "pld" and isinstance(draft[1], Model):
+            _check_vocab(t, draft[1])
+            if self.temperature > 0:
+                raise ValueError("multi-level drafting ('pld', Model) is a temperature-0 drafter")
+            model = drafters.ModelDrafter(draft[1].config, k, draft[1].dtype, draft[1].name or "draft")
+            return drafters.MultiLevel(model, drafters.PromptLookup(k, match=pld_match)), draft[1].params
+        raise ValueError(f"unknown draft {draft!r:.80}; expected one of {', '.join(DRAFTS)}")
 
     # -- inputs --------------------------------------------------------------
     def _prepare(self, prompts: Sequence[Sequence[int]]):
@@ -198,33 +140,65 @@ class Engine:
         prompt_BT = np.zeros((len(prompts), T), np.int32)
         for i, p in enumerate(prompts):
             prompt_BT[i, : lengths[i]] = p
-        s = Settings(self.max_new_tokens, max_len, self.temperature, self.top_p,
-                     self.eos_ids, self.target.dtype)
-        args = (self.target.params, jnp.asarray(prompt_BT), jnp.asarray(lengths, jnp.int32),
+        s = loop.Settings(self.max_new_tokens, max_len, self.temperature, self.top_p, self.eos_ids,
+                          self.target.dtype)
+        static = (self.target.config, s, self.drafter, self.policy)
+        args = (self.target.params, self.draft_params, jnp.asarray(prompt_BT), jnp.asarray(lengths, jnp.int32),
                 jax.random.PRNGKey(self.seed))
-        return s, args
+        return static, args
 
     # -- public --------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]]) -> GenerateOutput:
-        s, args = self._prepare(prompts)
-        out_BN, num_out_B, rounds_B, round_tokens_B = jax.device_get(
-            self._program(self.target.config, s, *args))
-        tokens = [out_BN[b, : num_out_B[b]].tolist() for b in range(out_BN.shape[0])]
-        return GenerateOutput(tokens, _stats(rounds_B, round_tokens_B))
+        static, args = self._prepare(prompts)
+        seq_BS, num_out_B, stats, policy_state = jax.device_get(self._program(*static, *args))
+        prompt_len = [len(p) for p in prompts]
+        tokens = [seq_BS[b, prompt_len[b]: prompt_len[b] + num_out_B[b]].tolist() for b in range(len(prompts))]
+        return GenerateOutput(tokens, _stats(stats, policy_state, self.policy))
 
     def lower(self, prompts: Sequence[Sequence[int]]) -> jax.stages.Lowered:
-        s, args = self._prepare(prompts)
-        return self._program.lower(self.target.config, s, *args)
+        static, args = self._prepare(prompts)
+        return self._program.lower(*static, *args)
 
 
-def _stats(rounds_B, round_tokens_B) -> dict[str, Any]:
+def _check_vocab(target: Model, draft: Model) -> None:
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise ValueError(f"vocabulary mismatch between draft ({dv} tokens) and target ({tv} tokens): "
+                         "a draft model must share the target's tokenizer")
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is not None and dt is not None and tt.backend.get_vocab() != dt.backend.get_vocab():
+        raise ValueError("vocabulary mismatch between draft and target: same size, different tokens")
+
+
+def _stats(stats, policy_state, policy) -> dict[str, Any]:
+    rounds_B, round_tokens_B = stats["rounds_B"], stats["round_tokens_B"]
     # tau per request = tokens emitted by rounds / rounds (SPEC.md, Metrics); a request
     # finished by its prefill token has no round and a tau of 0 by this definition.
     tau_B = np.where(rounds_B > 0, round_tokens_B / np.maximum(rounds_B, 1), 0.0)
-    return {
+    out = {
         "tau": float(tau_B.mean()),
         "tau_per_request": tau_B.tolist(),
         "rounds": int(rounds_B.max()),
         "rounds_per_request": rounds_B.tolist(),
         "round_tokens_per_request": round_tokens_B.tolist(),
     }
+    if policy is None:
+        return out
+    offered, accepted = stats["offered_K"], stats["accepted_K"]
+    loose, examined = int(stats["num_loose_B"].sum()), int(stats["examined_B"].sum())
+    out.update({
+        "accepted_per_round": float(accepted.sum() / max(int(rounds_B.sum()), 1)),
+        "accepted_per_position": np.where(offered > 0, accepted / np.maximum(offered, 1), 0.0).tolist(),
+        "accepted_counts_per_position": accepted.tolist(),
+        "offered_per_position": offered.tolist(),
+        "loose": loose,
+        "loose_per_request": stats["num_loose_B"].tolist(),
+        "mismatches_examined": examined,
+        "loose_share": loose / examined if examined else 0.0,
+        "ledger_spent_per_request": stats["spent_B"].tolist(),
+    })
+    if isinstance(policy_state, verify.CSDMemory):
+        out["csd_memory_filled"] = int(policy_state.filled)
+        out["csd_memory_capacity"] = policy_state.capacity
+        out["csd_memory_dropped"] = int(policy_state.dropped)
+    return out

@@ -1,0 +1,186 @@
+"""Drafters: what proposes the K tokens that the target verifies.
+
+Every drafter is a frozen dataclass of static settings with two pure methods:
+
+    state = drafter.init(params, prompt_BT, prompt_len_B, max_len)
+    drafts_BK, num_draft_B, probs_BKV | None, state = drafter.propose(params, state, seq_BS, L_B, key, T)
+
+`seq_BS` holds every row's committed tokens (prompt, then emitted ones) and
+`L_B` indexes each row's pending token: the last emitted one, which the target
+has not seen yet. A drafter with a KV cache re-feeds the two tokens at L-1 and
+L each round: position L-1 is already in its cache (recomputing it is
+idempotent), and this covers both catch-up cases at once (after a rejection
+only the correction token is new; after a full acceptance, d[K-1] and the
+bonus token are) without per-row bookkeeping. Entries past a row's committed
+length are stale and masked by position, never erased.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models import llama
+from specjax.models.config import Config
+
+
+def _choose(key, logits_BV, temperature):
+    """Greedy at T = 0 (probs None: a point mass); else a sample and the distribution it came from."""
+    if temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
+    probs_BV = jax.nn.softmax(logits_BV.astype(jnp.float32) / temperature, axis=-1)
+    return jax.random.categorical(key, logits_BV / temperature, axis=-1).astype(jnp.int32), probs_BV
+
+
+def _last_two(seq_BS, L_B):
+    """The tokens at L-1 and L (the pending token) of each row: int32[B, 2]."""
+    return jnp.take_along_axis(seq_BS, jnp.stack([L_B - 1, L_B], axis=1), axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDrafter:
+    """A small model with the target's tokenizer; K sequential steps as a `scan`."""
+
+    config: Config
+    k: int
+    dtype: Any = jnp.float32
+    name: str = "draft"
+
+    def init(self, params, prompt_BT, prompt_len_B, max_len):
+        B = prompt_BT.shape[0]
+        cache = llama.init_cache(self.config, B, max_len, self.dtype)
+        _, cache = llama.forward_cached(self.config, params, prompt_BT, cache, dtype=self.dtype,
+                                        select_BJ=(prompt_len_B - 1)[:, None])
+        return cache
+
+    def propose(self, params, cache, seq_BS, L_B, key, temperature):
+        B = seq_BS.shape[0]
+        keys = jax.random.split(key, self.k)
+        cache = cache._replace(lengths=L_B - 1)
+        logits_B1V, cache = llama.forward_cached(self.config, params, _last_two(seq_BS, L_B), cache,
+                                                 dtype=self.dtype, select_BJ=jnp.ones((B, 1), jnp.int32))
+        cache = cache._replace(lengths=L_B + 1)
+        d0_B, q0_BV = _choose(keys[0], logits_B1V[:, 0], temperature)
+
+        def step(carry, key):
+            d_B, cache = carry
+            logits_B1V, cache = llama.forward_cached(self.config, params, d_B[:, None], cache, dtype=self.dtype)
+            cache = cache._replace(lengths=cache.lengths + 1)
+            d_B, q_BV = _choose(key, logits_B1V[:, 0], temperature)
+            return (d_B, cache), (d_B, q_BV)
+
+        (_, cache), (rest_KB, q_KBV) = jax.lax.scan(step, (d0_B, cache), keys[1:])
+        drafts_BK = jnp.concatenate([d0_B[:, None], rest_KB.T], axis=1)
+        probs_BKV = None
+        if temperature > 0:
+            probs_BKV = jnp.concatenate([q0_BV[:, None], jnp.moveaxis(q_KBV, 0, 1)], axis=1)
+        return drafts_BK, jnp.full((B,), self.k, jnp.int32), probs_BKV, cache
+
+
+def self_draft_params(params, num_layers: int):
+    """The target's first `num_layers` layers with its own embedding, final norm and head."""
+    out = dict(params)
+    out["layers"] = jax.tree.map(lambda x: x[:num_layers], params["layers"])
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup:
+    """Prompt-lookup decoding: the continuation of the longest n-gram (max_ngram down to
+    min_ngram) that ends at the pending token and occurred earlier in the row's tokens.
+
+    match="earliest" takes its first occurrence (as FLy's code does), "latest" the most
+    recent one. No match proposes one token, the pending token repeated: a guess like
+    any other, which verification accepts only where the rule would.
+    """
+
+    k: int
+    max_ngram: int = 4
+    min_ngram: int = 1
+    match: str = "earliest"
+    name: str = "pld"
+
+    def init(self, params, prompt_BT, prompt_len_B, max_len):
+        return ()
+
+    def lookup(self, seq_BS, L_B):
+        """(drafts int32[B, K], num_draft int32[B], found bool[B])."""
+        return jax.vmap(self._row)(seq_BS, L_B)
+
+    def _row(self, seq_S, L):
+        S = seq_S.shape[0]
+        j_S = jnp.arange(S)
+        best_start, best_found = jnp.int32(0), jnp.bool_(False)
+        for n in range(self.min_ngram, self.max_ngram + 1):  # longer n-grams overwrite shorter ones
+            hit_S = (j_S + n <= L) & (L - n + 1 >= 0)  # a match ends before the suffix itself
+            for t in range(n):
+                hit_S &= jnp.take(seq_S, jnp.minimum(j_S + t, S - 1)) == jnp.take(seq_S, jnp.maximum(L - n + 1 + t, 0))
+            found = hit_S.any()
+            if self.match == "earliest":
+                start = jnp.argmax(hit_S)
+            else:
+                start = S - 1 - jnp.argmax(hit_S[::-1])
+            best_start = jnp.where(found, start + n, best_start)
+            best_found |= found
+        idx_K = jnp.minimum(best_start + jnp.arange(self.k), S - 1)
+        drafts_K = jnp.where(best_found, jnp.take(seq_S, idx_K), jnp.take(seq_S, L))
+        num_draft = jnp.where(best_found, jnp.clip(L + 1 - best_start, 1, self.k), 1)
+        return drafts_K.astype(jnp.int32), num_draft.astype(jnp.int32), best_found
+
+    def propose(self, params, state, seq_BS, L_B, key, temperature):
+        drafts_BK, num_draft_B, _ = self.lookup(seq_BS, L_B)
+        return drafts_BK, num_draft_B, None, state
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiLevel:
+    """FLy's multi-level drafting: prompt lookup proposes, the draft model checks the
+    proposal in one forward (keeping the prefix its own greedy choice agrees with) and
+    extends it step by step, so the draft model runs fewer sequential steps.
+    Temperature 0 only."""
+
+    model: ModelDrafter
+    lookup: PromptLookup
+    name: str = "pld+draft"
+
+    @property
+    def k(self) -> int:
+        return self.model.k
+
+    def init(self, params, prompt_BT, prompt_len_B, max_len):
+        return self.model.init(params, prompt_BT, prompt_len_B, max_len)
+
+    def propose(self, params, cache, seq_BS, L_B, key, temperature):
+        K, cfg, dtype = self.k, self.model.config, self.model.dtype
+        B = seq_BS.shape[0]
+        p_BK, np_B, found_B = self.lookup.lookup(seq_BS, L_B)
+        np_B = jnp.where(found_B, np_B, 0)
+        # one draft forward over [seq[L-1], pending, p_0 .. p_{K-1}] at positions L-1 ..
+        tokens = jnp.concatenate([_last_two(seq_BS, L_B), p_BK], axis=1)
+        logits_BRV, cache = llama.forward_cached(cfg, params, tokens, cache._replace(lengths=L_B - 1), dtype=dtype)
+        t_BR = jnp.argmax(logits_BRV[:, 1:], axis=-1).astype(jnp.int32)  # draft's choice after pending, p_0, ...
+        j_K = jnp.arange(K)
+        agree_BK = (p_BK == t_BR[:, :K]) & (j_K[None] < np_B[:, None])
+        a_B = jnp.sum(jnp.cumprod(agree_BK, axis=1), axis=1).astype(jnp.int32)  # PLD tokens the draft keeps
+        own_B = jnp.take_along_axis(t_BR, a_B[:, None], axis=1)[:, 0]  # the draft's token after them
+        drafts_BK = jnp.where(j_K[None] < a_B[:, None], p_BK, jnp.where(j_K[None] == a_B[:, None], own_B[:, None], 0))
+        # positions <= L + a now hold [.., pending, p_0 .. p_{a-1}]; extend rows one token at a time
+        c_B = a_B + 1  # next draft index to fill
+
+        def more(carry):
+            return jnp.any(carry[1] < K)
+
+        def step(carry):
+            drafts_BK, c_B, cache = carry
+            prev_B = jnp.take_along_axis(drafts_BK, jnp.clip(c_B - 1, 0, K - 1)[:, None], axis=1)[:, 0]
+            logits_B1V, cache = llama.forward_cached(cfg, params, prev_B[:, None],
+                                                     cache._replace(lengths=L_B + c_B), dtype=dtype)
+            d_B = jnp.argmax(logits_B1V[:, 0], axis=-1).astype(jnp.int32)
+            fill_BK = (j_K[None] == c_B[:, None]) & (c_B[:, None] < K)
+            return jnp.where(fill_BK, d_B[:, None], drafts_BK), c_B + 1, cache
+
+        drafts_BK, _, cache = jax.lax.while_loop(more, step, (drafts_BK, c_B, cache))
+        return drafts_BK, jnp.full((B,), K, jnp.int32), None, cache
