@@ -12,7 +12,6 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax import drafters, loop, verify
@@ -143,8 +142,9 @@ class Engine:
         s = loop.Settings(self.max_new_tokens, max_len, self.temperature, self.top_p, self.eos_ids,
                           self.target.dtype)
         static = (self.target.config, s, self.drafter, self.policy)
-        args = (self.target.params, self.draft_params, jnp.asarray(prompt_BT), jnp.asarray(lengths, jnp.int32),
-                jax.random.PRNGKey(self.seed))
+        # host arrays: jit transfers them; the PRNG key is made inside the program
+        args = (self.target.params, self.draft_params, prompt_BT, np.asarray(lengths, np.int32),
+                np.uint32(self.seed))
         return static, args
 
     # -- public --------------------------------------------------------------

@@ -166,8 +166,9 @@ def speculative_round(config, params, drafter, draft_params, policy, state: Loop
 
 
 def generate_program(config, s: Settings, drafter, policy, params, draft_params,
-                     prompt_BT, prompt_len_B, key):
+                     prompt_BT, prompt_len_B, seed):
     """The whole generation as one traceable function (prefill + one while_loop)."""
+    key = jax.random.PRNGKey(seed)
     K = 1 if drafter is None else drafter.k
     state = prefill(config, params, prompt_BT, prompt_len_B, key, s, K, drafter, draft_params, policy)
     if drafter is None:

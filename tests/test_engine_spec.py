@@ -1,0 +1,211 @@
+"""Speculative generation: every drafter and lossless rule returns the target's greedy tokens."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import specjax
+from specjax import drafters
+from specjax.models import Config, random_model
+
+TINY = Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+              num_kv_heads=2, head_dim=8, rope_theta=300.0)
+# Repetitive prompts so that prompt lookup finds matches; ragged lengths.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_model(TINY, seed=11)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    # a draft that often agrees with the target: the target's weights plus noise
+    t = random_model(TINY, seed=11)
+    noise = random_model(TINY, seed=12)
+    params = jax.tree.map(lambda a, b: a + 0.3 * b, t.params, noise.params)
+    return t.with_params(params, name="noisy-draft")
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    return specjax.Engine(target, max_new_tokens=NEW).generate(PROMPTS).tokens
+
+
+def drafts(draft):
+    return {"model": draft, "pld": "pld", "self:1": "self:1", "multilevel": ("pld", draft)}
+
+
+@pytest.mark.parametrize("which", ["model", "pld", "self:1", "multilevel"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_verification_is_exact_for_every_drafter(target, draft, baseline, which, k):
+    out = specjax.Engine(target, draft=drafts(draft)[which], k=k, max_new_tokens=NEW).generate(PROMPTS)
+    assert out.tokens == baseline
+    assert 1.0 <= out.stats["tau"] <= k + 1
+
+
+@pytest.mark.parametrize("method, options", [
+    ("asd", dict(budget=0.0)), ("asd", dict(gate=0.0)), ("asd", dict(block_cap=0)),
+    ("fly", dict(theta=1.5)), ("fly", dict(theta=1.5, rule="reference", entropy="normalized")),
+    ("csd", dict(csd_memory=64, update=False)), ("typical", {}), ("exact", {}),
+])
+@pytest.mark.parametrize("which", ["model", "pld"])
+def test_rules_that_reduce_to_greedy_are_exact(target, draft, baseline, method, options, which):
+    out = specjax.Engine(target, draft=drafts(draft)[which], method=method, k=4, max_new_tokens=NEW,
+                         **options).generate(PROMPTS)
+    assert out.tokens == baseline
+    assert out.stats["loose"] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_exact_over_seeds_and_batch_shapes(seed):
+    target = random_model(TINY, seed=100 + seed)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, TINY.vocab_size, rng.integers(1, 12)).tolist() for _ in range(1 + seed * 2)]
+    base = specjax.Engine(target, max_new_tokens=16).generate(prompts).tokens
+    for draft in ("pld", "self:2", random_model(TINY, seed=200 + seed)):
+        assert specjax.Engine(target, draft=draft, k=5, max_new_tokens=16).generate(prompts).tokens == base
+
+
+def test_batch_equals_one_at_a_time(target, draft):
+    engine = specjax.Engine(target, draft=draft, method="fly", k=4, max_new_tokens=NEW, theta=0.0)
+    batched = engine.generate(PROMPTS).tokens
+    assert batched == [engine.generate([p]).tokens[0] for p in PROMPTS]
+
+
+def test_eos_and_max_new_tokens_are_never_passed(target, draft, baseline):
+    eos = baseline[2][5]
+    target_eos = dataclasses.replace(target, config=dataclasses.replace(TINY, eos_token_ids=(eos,)))
+    for max_new in (1, 7, NEW):
+        out = specjax.Engine(target_eos, draft=draft, k=8, max_new_tokens=max_new).generate(PROMPTS)
+        for full, got in zip(baseline, out.tokens):
+            cut = full[:max_new]
+            expected = cut[: cut.index(eos) + 1] if eos in cut else cut
+            assert got == expected
+
+
+def test_loose_rules_accept_mismatches_and_count_them(target):
+    bad_draft = random_model(TINY, seed=99)  # rarely agrees with the target
+    out = specjax.Engine(target, draft=bad_draft, method="fly", k=6, max_new_tokens=NEW, theta=0.0,
+                         window=0).generate(PROMPTS)
+    assert out.stats["loose"] > 0 and 0 < out.stats["loose_share"] <= 1
+    assert out.stats["mismatches_examined"] >= out.stats["loose"]
+    exact = specjax.Engine(target, draft=bad_draft, k=6, max_new_tokens=NEW).generate(PROMPTS)
+    assert out.stats["tau"] > exact.stats["tau"]
+
+
+def test_asd_ledger_and_csd_memory_in_stats(target, draft):
+    asd = specjax.Engine(target, draft=draft, method="asd", k=4, max_new_tokens=NEW, budget=3.0,
+                         gate=10.0, block_cap=4).generate(PROMPTS)
+    spent = np.asarray(asd.stats["ledger_spent_per_request"])
+    assert (spent >= 0).all() and (spent <= 3.0 + 1e-6).all()
+    assert (spent > 0).any() == (asd.stats["loose"] > 0)
+    csd = specjax.Engine(target, draft=draft, method="csd", k=4, max_new_tokens=NEW, min_count=0,
+                         csd_memory=128).generate(PROMPTS)
+    assert 0 < csd.stats["csd_memory_filled"] <= 128 and csd.stats["csd_memory_capacity"] == 128
+
+
+def test_sampling_at_temperature_is_seeded(target, draft):
+    run = lambda seed, method="exact": specjax.Engine(  # noqa: E731
+        target, draft=draft, method=method, k=4, max_new_tokens=NEW, temperature=0.8, seed=seed).generate(PROMPTS)
+    a, b, c = run(3), run(3), run(4)
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    assert run(3, "fly").stats["tau"] >= 1.0
+
+
+def test_speculative_sampling_matches_target_distribution():
+    """First sampled token after the prefill+1 round: speculative vs target-only frequencies."""
+    cfg = dataclasses.replace(TINY, vocab_size=5)
+    target, draft = random_model(cfg, seed=1), random_model(cfg, seed=2)
+    prompt = [[1, 2, 3]]
+    counts = {"spec": np.zeros((5, 5)), "base": np.zeros((5, 5))}
+    for seed in range(300):
+        base = specjax.Engine(target, max_new_tokens=2, temperature=1.0, seed=seed).generate(prompt).tokens[0]
+        spec = specjax.Engine(target, draft=draft, k=2, max_new_tokens=2, temperature=1.0,
+                              seed=seed).generate(prompt).tokens[0]
+        counts["base"][base[0], base[1]] += 1
+        counts["spec"][spec[0], spec[1]] += 1
+    # the second token's conditional distribution must agree (the first comes from the same prefill)
+    probs = np.asarray(jax.nn.softmax(target.logits(np.array([[1, 2, 3, t] for t in range(5)]))[:, -1]))
+    expected = counts["spec"].sum(1, keepdims=True) * probs
+    mask = expected > 5
+    chi2 = ((counts["spec"] - expected) ** 2 / np.where(mask, expected, 1))[mask].sum()
+    assert chi2 < 60, chi2  # ~20 degrees of freedom; a wrong distribution gives hundreds
+
+
+def test_prompt_lookup_finds_the_longest_earliest_ngram():
+    pld = drafters.PromptLookup(k=3)
+    seq = np.zeros((1, 32), np.int32)
+    tokens = [9, 1, 2, 3, 7, 7, 1, 2, 3, 8, 4, 2, 3]  # suffix "2 3": earliest match at 1..2 (with "1 2 3" too)
+    seq[0, : len(tokens)] = tokens
+    drafts_, num, found = jax.device_get(pld.lookup(seq, np.array([len(tokens) - 1])))
+    assert found[0] and drafts_[0].tolist() == [7, 7, 1] and num[0] == 3
+    latest = drafters.PromptLookup(k=3, match="latest")
+    drafts_, num, found = jax.device_get(latest.lookup(seq, np.array([len(tokens) - 1])))
+    assert drafts_[0].tolist() == [8, 4, 2] and num[0] == 3
+    # the continuation stops at the pending token: num_draft < K
+    seq2 = np.zeros((1, 16), np.int32)
+    seq2[0, :5] = [4, 5, 6, 4, 5]
+    drafts_, num, _ = jax.device_get(drafters.PromptLookup(k=5).lookup(seq2, np.array([4])))
+    assert drafts_[0, :3].tolist() == [6, 4, 5] and num[0] == 3
+    # no match: one guess, the pending token
+    seq3 = np.zeros((1, 8), np.int32)
+    seq3[0, :3] = [1, 2, 3]
+    drafts_, num, found = jax.device_get(pld.lookup(seq3, np.array([2])))
+    assert not found[0] and num[0] == 1 and drafts_[0, 0] == 3
+
+
+def test_one_program_launch_count_does_not_grow(target, draft, tmp_path):
+    """Device launches of `generate`, counted from a jax.profiler trace, do not depend on
+    max_new_tokens: the rounds run inside one compiled program."""
+    launches = []
+    for new in (4, 40):
+        engine = specjax.Engine(target, draft=draft, method="fly", k=4, max_new_tokens=new, eos_ids=())
+        engine.generate(PROMPTS)  # compile outside the trace
+        launches.append(_count_launches(lambda: engine.generate(PROMPTS), tmp_path / str(new)))
+    assert launches[0] == launches[1] == 1
+    text = specjax.Engine(target, draft=draft, k=4, max_new_tokens=8).lower(PROMPTS).as_text()
+    assert "callback" not in text.lower() and text.count("stablehlo.while") >= 2
+
+
+def _count_launches(fn, trace_dir):
+    import glob
+    import gzip
+    import json
+
+    with jax.profiler.trace(str(trace_dir)):
+        fn()
+    (path,) = glob.glob(str(trace_dir / "**" / "*.trace.json.gz"), recursive=True)
+    events = json.load(gzip.open(path))["traceEvents"]
+    return sum(1 for e in events if str(e.get("name", "")).endswith("ExecuteHelperOnSingleDevice"))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(draft="nope"), "unknown draft 'nope'"),
+    (dict(draft="self:0"), "N must be an integer"),
+    (dict(draft="pld", k=0), "k must be an integer >= 1"),
+    (dict(draft="pld", method="bogus"), "unknown method 'bogus'"),
+    (dict(draft=None, method="fly"), "needs a draft"),
+    (dict(draft="pld", method="asd", temperature=0.5), "temperature-0 rule"),
+    (dict(draft="pld", method="fly", bogus=1), "unknown rule option 'bogus'"),
+    (dict(draft="pld", method="fly", budget=1.0), "does not apply to method 'fly'"),
+    (dict(draft="pld", top_p=0.9, temperature=1.0), "top_p < 1"),
+])
+def test_bad_arguments_fail_before_compiling(target, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        specjax.Engine(target, max_new_tokens=8, **kwargs)
+
+
+def test_draft_vocabulary_mismatch(target):
+    other = random_model(dataclasses.replace(TINY, vocab_size=62), seed=0)
+    with pytest.raises(ValueError, match="vocabulary mismatch between draft"):
+        specjax.Engine(target, draft=other)
+
+
+def test_k_too_large_for_the_cache(target):
+    with pytest.raises(ValueError, match=r"k 40 \+ 1 = .* > max_len 64"):
+        specjax.Engine(target, draft="pld", k=40, max_new_tokens=20, max_len=64).generate([[1, 2, 3, 4, 5]])
