@@ -1,0 +1,103 @@
+"""csd (Calibrated Speculative Decoding): a correction memory plus a consistency gate.
+
+A mismatch (d, t) is loosely accepted when the memory has seen it more than
+min_count times and the target's logit of d is within log(tau) of its max.
+Counts are read from the table as at the start of the round (SPEC.md shows
+this equals the sequential scan), so the rule is a gather, a prefix scan and a
+scatter-add. Temperature 0 only.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from specjax.verify import _common, _csd_memory
+from specjax.verify._common import Verdict
+from specjax.verify._csd_memory import CSDMemory
+
+
+def check_options(fn: str, *, min_count, tau, update, temperature=0.0) -> None:
+    _common.check_number(fn, "min_count", min_count)
+    _common.check_number(fn, "tau", tau)
+    if isinstance(tau, numbers.Real) and tau < 0:
+        raise ValueError(f"{fn}: tau must be >= 0 (it is compared in log space), got {tau}")
+    if not isinstance(update, bool):
+        raise ValueError(f"{fn}: update must be a static bool, got {update!r}")
+    if _common.check_temperature(fn, temperature) > 0:
+        raise ValueError(f"{fn}: CSD is a temperature-0 rule; got temperature={temperature}")
+
+
+def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau):
+    """One sequence against the start-of-round table: (Verdict, pairs int32[K, 2], reached bool[K])."""
+    d_K, L_RV, k = _common.check_inputs(fn, d_K, L_RV, k)
+    K = d_K.shape[0]
+    allowed_K = _common.check_loose_mask(fn, loose_mask, K)
+    stats = _common.row_stats(L_RV, _common.padded(d_K))
+    t_K = stats.argmax[:K]
+    ex_K = _common.exact_flags(d_K, stats.argmax, k)
+    mis_K = _common.valid_mask(K, k) & ~ex_K
+    count_K = _csd_memory.lookup(memory, d_K, t_K)
+    # L[i][t[i]] is the row max.
+    consistent_K = stats.logit_at[:K] - stats.max[:K] >= jnp.log(jnp.float32(tau))
+    ok_K = (count_K > min_count) & consistent_K & allowed_K
+    n = _common.accepted_count(ex_K | (mis_K & ok_K))
+    # The scan reaches the loosely accepted mismatches and the one that stopped it.
+    reached_K = mis_K & (jnp.arange(K) <= n)
+    return Verdict(n, stats.argmax[n], _common.count_before(mis_K, n)), jnp.stack([d_K, t_K], -1), reached_K
+
+
+def csd(draft_tokens, target_logits, memory: CSDMemory, *, min_count=6, tau=0.01, update=True,
+        num_draft=None, loose_mask=None, temperature=0.0) -> tuple[Verdict, CSDMemory]:
+    """CSD verification of one sequence; returns (Verdict, memory with this round's increments).
+
+    draft_tokens int[K], target_logits float[K+1, V]. loose_mask bool[K]
+    (optional) lets another rule veto loose acceptance, as in asd.
+    """
+    fn = "csd"
+    check_options(fn, min_count=min_count, tau=tau, update=update, temperature=temperature)
+    _csd_memory.check_memory(fn, memory)
+    verdict, pairs_K2, reached_K = _decide(fn, draft_tokens, target_logits, memory, num_draft, loose_mask,
+                                           min_count=min_count, tau=tau)
+    if update:
+        memory = _csd_memory.add(memory, pairs_K2, reached_K)
+    return verdict, memory
+
+
+def csd_batch(draft_tokens_BK, target_logits_BKV, memory: CSDMemory, *, min_count=6, tau=0.01, update=True,
+              num_draft=None, active=None, loose_mask=None, temperature=0.0) -> tuple[Verdict, CSDMemory]:
+    """CSD for a batch sharing one memory: every row reads the start-of-round table.
+
+    num_draft int[] or int[B]; active bool[B] (rows that add no increments when
+    False); loose_mask bool[B, K]. All increments are added after the round,
+    new pairs in row-major order, so a full table drops the later ones.
+    """
+    fn = "csd_batch"
+    check_options(fn, min_count=min_count, tau=tau, update=update, temperature=temperature)
+    _csd_memory.check_memory(fn, memory)
+    d_BK, L_BRV = jnp.asarray(draft_tokens_BK), jnp.asarray(target_logits_BKV)
+    if d_BK.ndim != 2 or L_BRV.ndim != 3 or L_BRV.shape[0] != d_BK.shape[0]:
+        raise ValueError(f"{fn}: expected draft_tokens [B, K] and target_logits [B, K+1, V], "
+                         f"got {list(d_BK.shape)} and {list(L_BRV.shape)}")
+    B, K = d_BK.shape
+    k_B = jnp.broadcast_to(_batch_arg(fn, "num_draft", K if num_draft is None else num_draft, B), (B,))
+    active_B = jnp.broadcast_to(_batch_arg(fn, "active", True if active is None else active, B), (B,))
+    mask_BK = jnp.ones((B, K), bool) if loose_mask is None else jnp.asarray(loose_mask)
+
+    def row(d_K, L_RV, k, mask_K):
+        return _decide(fn, d_K, L_RV, memory, k, mask_K, min_count=min_count, tau=tau)
+
+    verdict, pairs_BK2, reached_BK = jax.vmap(row)(d_BK, L_BRV, k_B, mask_BK)
+    if update:
+        inc_BK = reached_BK & active_B[:, None]
+        memory = _csd_memory.add(memory, pairs_BK2.reshape(B * K, 2), inc_BK.reshape(B * K))
+    return verdict, memory
+
+
+def _batch_arg(fn, name, value, B):
+    x = jnp.asarray(value)
+    if x.shape not in ((), (B,)):
+        raise ValueError(f"{fn}: {name} must be a scalar or [B] = [{B}], got {list(x.shape)}")
+    return x

@@ -1,0 +1,154 @@
+"""The CSD correction memory: a fixed-capacity table of (draft, target) -> count.
+
+Open addressing with linear probing over int32 arrays, so the table is a
+pytree that jit, vmap and a while_loop carry treat like any other arrays.
+The table has 2 * capacity slots and holds at most `capacity` pairs: at load
+<= 1/2 a probe ends at a free slot after a few steps, even when "full".
+Nothing is ever evicted: once `capacity` pairs are stored, new pairs are
+dropped (they keep reading as count 0) and counted in `dropped`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+EMPTY = -1  # key of a free slot; token ids are >= 0
+
+
+class CSDMemory(NamedTuple):
+    keys: jax.Array  # int32[2C, 2]: (draft_token, target_token), EMPTY where free
+    counts: jax.Array  # int32[2C]
+    filled: jax.Array  # int32[]: pairs stored, at most C
+    dropped: jax.Array  # int32[]: increments lost because the table was full
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[-2] // 2
+
+    def to_dict(self) -> dict[tuple[int, int], int]:
+        """Host copy of the stored pairs and their counts (inspection, tests)."""
+        keys, counts = np.asarray(self.keys), np.asarray(self.counts)
+        used = keys[:, 0] != EMPTY
+        return {(int(a), int(b)): int(c) for (a, b), c in zip(keys[used], counts[used])}
+
+
+def _home(a, b, S: int):
+    """Home slot of a pair: a murmur-style mix of both token ids, mod S."""
+    x = a.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + b.astype(jnp.uint32) * jnp.uint32(0x85EBCA77)
+    x = (x ^ (x >> 15)) * jnp.uint32(0xC2B2AE35)
+    x = x ^ (x >> 13)
+    return (x % jnp.uint32(S)).astype(jnp.int32)
+
+
+def _find(keys_S2, a, b):
+    """Probes for (a, b): (slot, hit, free); free marks the first empty slot of its run."""
+    S = keys_S2.shape[0]
+    home = _home(a, b, S)
+
+    def look(i):
+        slot = (home + i) % S
+        key = keys_S2[slot]
+        return slot, (key[0] == a) & (key[1] == b), key[0] == EMPTY
+
+    def probing(i):
+        _, hit, free = look(i)
+        return (i < S) & ~hit & ~free
+
+    i = jax.lax.while_loop(probing, lambda i: i + 1, jnp.int32(0))
+    slot, hit, free = look(jnp.minimum(i, S - 1))
+    return slot, hit & (i < S), free & (i < S)
+
+
+def lookup(memory: CSDMemory, a_N, b_N) -> jax.Array:
+    """Counts of the pairs (a[e], b[e]); 0 for pairs not stored."""
+    slot_N, hit_N, _ = jax.vmap(_find, (None, 0, 0))(memory.keys, a_N, b_N)
+    return jnp.where(hit_N, memory.counts[slot_N], 0)
+
+
+def add(memory: CSDMemory, pairs_N2, inc_N) -> CSDMemory:
+    """Adds inc[e] to the count of pairs[e]; entries with inc <= 0 are skipped.
+
+    New pairs are inserted in entry order (row-major for a batch), so a table
+    that fills up keeps the earlier ones and drops the rest.
+    """
+    a_N, b_N = pairs_N2[:, 0].astype(jnp.int32), pairs_N2[:, 1].astype(jnp.int32)
+    inc_N = inc_N.astype(jnp.int32)
+    S = memory.keys.shape[0]
+    slot_N, hit_N, _ = jax.vmap(_find, (None, 0, 0))(memory.keys, a_N, b_N)
+    want_N = inc_N > 0
+    # Pairs already stored: one parallel scatter-add, duplicates add up.
+    counts_S = memory.counts.at[jnp.where(want_N & hit_N, slot_N, S)].add(inc_N, mode="drop")
+    # New pairs compete for room: a short sequential loop over them only.
+    new_N = want_N & ~hit_N
+    order_N = jnp.argsort(~new_N, stable=True)  # new entries first, order kept
+
+    def insert(carry):
+        j, keys_S2, counts_S, filled, dropped = carry
+        e = order_N[j]
+        slot, hit, free = _find(keys_S2, a_N[e], b_N[e])  # hit: an earlier entry inserted it
+        take = free & (filled < memory.capacity)
+        keys_S2 = keys_S2.at[slot].set(jnp.where(take, jnp.stack([a_N[e], b_N[e]]), keys_S2[slot]))
+        counts_S = counts_S.at[slot].add(jnp.where(hit | take, inc_N[e], 0))
+        dropped = dropped + jnp.where(hit | take, 0, inc_N[e])
+        return j + 1, keys_S2, counts_S, filled + take.astype(jnp.int32), dropped
+
+    num_new = jnp.sum(new_N)
+    carry = (jnp.int32(0), memory.keys, counts_S, memory.filled, memory.dropped)
+    _, keys_S2, counts_S, filled, dropped = jax.lax.while_loop(lambda c: c[0] < num_new, insert, carry)
+    return CSDMemory(keys_S2, counts_S, filled, dropped)
+
+
+_add_jit = jax.jit(add)
+
+
+def check_memory(fn: str, memory) -> CSDMemory:
+    if not isinstance(memory, CSDMemory):
+        raise ValueError(f"{fn}: memory must be a CSDMemory built by verify.csd_memory(), got {type(memory).__name__}")
+    return memory
+
+
+def csd_memory(capacity: int, pairs=None, counts=None) -> CSDMemory:
+    """A table for up to `capacity` pairs, preloaded with offline counts.
+
+    pairs int[P, 2] of (draft_token, target_token), counts int[P] (default 1
+    each); duplicate pairs add up. Host arrays: this runs before jit.
+    """
+    fn = "csd_memory"
+    if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool) or capacity < 1:
+        raise ValueError(f"{fn}: capacity must be an int >= 1, got {capacity!r}")
+    S = 2 * int(capacity)
+    memory = CSDMemory(jnp.full((S, 2), EMPTY, jnp.int32), jnp.zeros((S,), jnp.int32), jnp.int32(0), jnp.int32(0))
+    if pairs is None:
+        if counts is not None:
+            raise ValueError(f"{fn}: counts given without pairs")
+        return memory
+    pairs_P2 = np.asarray(pairs)
+    if pairs_P2.ndim != 2 or pairs_P2.shape[1] != 2 or not np.issubdtype(pairs_P2.dtype, np.integer):
+        raise ValueError(f"{fn}: pairs must be int[P, 2] of (draft, target), "
+                         f"got {pairs_P2.dtype}{list(pairs_P2.shape)}")
+    if (pairs_P2 < 0).any():
+        raise ValueError(f"{fn}: token ids must be >= 0")
+    counts_P = np.ones(len(pairs_P2), np.int32) if counts is None else np.asarray(counts)
+    if counts_P.shape != (len(pairs_P2),) or not np.issubdtype(counts_P.dtype, np.integer) or (counts_P < 0).any():
+        raise ValueError(f"{fn}: counts must be int[P] >= 0 with P = {len(pairs_P2)}, "
+                         f"got {counts_P.dtype}{list(counts_P.shape)}")
+    distinct = len(np.unique(pairs_P2[counts_P > 0], axis=0))
+    if distinct > capacity:
+        raise ValueError(f"{fn}: {distinct} distinct pairs do not fit in capacity {capacity}")
+    # Pad P to a power of two with zero counts (skipped by add): fewer compiles.
+    P = 1 << max(0, len(pairs_P2) - 1).bit_length()
+    pairs_P2 = np.concatenate([pairs_P2, np.zeros((P - len(pairs_P2), 2), pairs_P2.dtype)])
+    counts_P = np.concatenate([counts_P, np.zeros(P - len(counts_P), counts_P.dtype)])
+    return _add_jit(memory, jnp.asarray(pairs_P2, jnp.int32), jnp.asarray(counts_P, jnp.int32))
+
+
+def csd_count(memory: CSDMemory, draft_token, target_token) -> jax.Array:
+    """int32 count stored for (draft_token, target_token); 0 if absent."""
+    check_memory("csd_count", memory)
+    a, b = jnp.asarray(draft_token, jnp.int32), jnp.asarray(target_token, jnp.int32)
+    return lookup(memory, a[None], b[None])[0]

@@ -1,0 +1,39 @@
+"""typical: Medusa's typical acceptance, a loose baseline at T > 0 (greedy at T = 0)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.verify import _common, _greedy, _sampling
+from specjax.verify._common import Verdict
+
+
+def check_options(fn: str, *, epsilon, delta) -> None:
+    _common.check_number(fn, "epsilon", epsilon)
+    _common.check_number(fn, "delta", delta)
+
+
+def typical(draft_tokens, target_logits, key, *, epsilon=0.09, delta=0.3, temperature=1.0,
+            num_draft=None) -> Verdict:
+    """Accept position i while p[i][d[i]] > min(epsilon, delta * exp(-H[i])), p = softmax(L / T).
+
+    H is the entropy of p in nats; next_token is a sample of p[n] drawn with
+    kr of `ku, kr = split(key)`. num_loose counts accepted d[i] != argmax L[i].
+    """
+    fn = "typical"
+    check_options(fn, epsilon=epsilon, delta=delta)
+    temperature = _common.check_temperature(fn, temperature)
+    if temperature == 0:
+        return _greedy.greedy(draft_tokens, target_logits, num_draft=num_draft)
+    d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
+    K = d_K.shape[0]
+    stats_T = _sampling.tempered_stats(d_K, L_RV, temperature)
+    p_d_K = jnp.exp(stats_T.logit_at - stats_T.lse)[:K]
+    threshold_K = jnp.minimum(epsilon, delta * jnp.exp(-stats_T.entropy[:K]))
+    n = _common.accepted_count((p_d_K > threshold_K) & _common.valid_mask(K, k))
+    _, kr = jax.random.split(_common.check_key(fn, key))
+    next_token = jax.random.categorical(kr, L_RV[n] / temperature - stats_T.lse[n]).astype(jnp.int32)
+    # "Loose" is measured against the untempered argmax, as SPEC.md defines ex.
+    ex_K = _common.exact_flags(d_K, _common.row_stats(L_RV, _common.padded(d_K)).argmax, k)
+    return Verdict(n, next_token, _common.count_before(~ex_K, n))
