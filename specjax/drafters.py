@@ -93,8 +93,8 @@ class PromptLookup:
     min_ngram) that ends at the pending token and occurred earlier in the row's tokens.
 
     match="earliest" takes its first occurrence (as FLy's code does), "latest" the most
-    recent one. No match proposes one token, the pending token repeated: a guess like
-    any other, which verification accepts only where the rule would.
+    recent one. No match proposes nothing (num_draft = 0): the round is then a plain
+    decoding step, and the engine scores a single position.
     """
 
     k: int
@@ -127,7 +127,7 @@ class PromptLookup:
             best_found |= found
         idx_K = jnp.minimum(best_start + jnp.arange(self.k), S - 1)
         drafts_K = jnp.where(best_found, jnp.take(seq_S, idx_K), jnp.take(seq_S, L))
-        num_draft = jnp.where(best_found, jnp.clip(L + 1 - best_start, 1, self.k), 1)
+        num_draft = jnp.where(best_found, jnp.clip(L + 1 - best_start, 1, self.k), 0)
         return drafts_K.astype(jnp.int32), num_draft.astype(jnp.int32), best_found
 
     def propose(self, params, state, seq_BS, L_B, key, temperature):
@@ -157,7 +157,6 @@ class MultiLevel:
         K, cfg, dtype = self.k, self.model.config, self.model.dtype
         B = seq_BS.shape[0]
         p_BK, np_B, found_B = self.lookup.lookup(seq_BS, L_B)
-        np_B = jnp.where(found_B, np_B, 0)
         # one draft forward over [seq[L-1], pending, p_0 .. p_{K-1}] at positions L-1 ..
         tokens = jnp.concatenate([_last_two(seq_BS, L_B), p_BK], axis=1)
         logits_BRV, cache = llama.forward_cached(cfg, params, tokens, cache._replace(lengths=L_B - 1), dtype=dtype)

@@ -143,9 +143,10 @@ def speculative_round(config, params, drafter, draft_params, policy, state: Loop
     # draft
     drafts_BK, num_draft_B, probs_BKV, draft_state = drafter.propose(
         draft_params, state.draft_state, state.seq_BS, L_B, k_draft, s.temperature)
-    # score
+    # score: only as many positions as the live rows' longest proposal needs
     fed_BR = jnp.concatenate([pending_B[:, None], drafts_BK], axis=1)
-    logits_BRV, cache = llama.forward_cached(config, params, fed_BR, state.cache, dtype=s.dtype)
+    width = jnp.max(jnp.where(live_B, num_draft_B, 0)) + 1
+    logits_BRV, cache = score(config, params, fed_BR, state.cache, width, s)
     # verify
     verdict, policy_state, info = policy.verify(state.policy_state, drafts_BK, logits_BRV, num_draft_B, k_verify,
                                                 live_B, probs_BKV)
@@ -163,6 +164,35 @@ def speculative_round(config, params, drafter, draft_params, policy, state: Loop
     stats["spent_B"] += info["spent"]
     state = state._replace(cache=cache, key=key, draft_state=draft_state, policy_state=policy_state, stats=stats)
     return commit(state, block_BR, n_B + 1, n_B + 1, s)
+
+
+def verify_widths(K: int) -> tuple[int, ...]:
+    """Compiled widths of the target's verify forward: 1, 2, 3, 5, 9, ... up to K + 1."""
+    widths = [w for w in (1, 2, 3, 5, 9, 17, 33) if w < K + 1]
+    return tuple(widths) + (K + 1,)
+
+
+def score(config, params, fed_BR, cache, width, s: Settings):
+    """The target's logits on the first `width` fed positions, padded to K + 1 rows.
+
+    A drafter may propose fewer than K tokens (prompt lookup, often none at all):
+    on a CPU a 9-position forward costs about twice a 1-position one, so the
+    forward runs at the smallest compiled width that covers every live row.
+    Padding rows lie past each row's num_draft, where no rule reads.
+    """
+    B, R = fed_BR.shape
+    widths = verify_widths(R - 1)
+
+    def at(w):
+        def run(fed_BR, cache):
+            logits_BWV, cache = llama.forward_cached(config, params, fed_BR[:, :w], cache, dtype=s.dtype)
+            return jnp.pad(logits_BWV, ((0, 0), (0, R - w), (0, 0))), cache
+        return run
+
+    if len(widths) == 1:
+        return at(R)(fed_BR, cache)
+    branch = jnp.searchsorted(jnp.asarray(widths), width)
+    return jax.lax.switch(branch, [at(w) for w in widths], fed_BR, cache)
 
 
 def generate_program(config, s: Settings, drafter, policy, params, draft_params,
