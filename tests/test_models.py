@@ -248,3 +248,23 @@ def test_orbax_cache_second_load_equals_first(tmp_path, monkeypatch):
     assert second.load_seconds < first.load_seconds
     cfg = json.loads(next((tmp_path / "params").glob("*/config.json")).read_text())
     assert cfg["num_layers"] == 30 and cfg["tie_embeddings"] is True
+
+
+@pytest.mark.qwen
+@pytest.mark.parity
+def test_qwen_coder_gguf_parity():
+    """Qwen2.5-Coder-0.5B (qwen2 architecture, QKV bias, Q5_0/Q8_0/Q4_K/Q6_K blocks) against transformers."""
+    import torch
+    import transformers
+
+    try:
+        path = models.presets.resolve("qwen2.5-coder-0.5b-instruct")
+    except models.PresetError as e:
+        pytest.skip(str(e))
+    m = models.load("qwen2.5-coder-0.5b-instruct")
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+    tokens = np.asarray([m.tokenizer.encode("def quicksort(xs):\n    if len(xs) <= 1:\n        return xs")])
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(tokens)).logits.numpy()
+    assert_parity(m.logits(tokens), ref)

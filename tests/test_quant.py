@@ -67,3 +67,30 @@ def test_smollm2_quantized_storage_gives_the_float32_logits(smollm2):
     ours = smollm2.logits(tokens)
     ref = jax.jit(llama.forward, static_argnums=0)(smollm2.config, jax.tree.map(jnp.asarray, float_params), tokens)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+
+
+@pytest.mark.parametrize("qtype, d_offsets", [(T.Q4_K, (0, 2)), (T.Q6_K, (208,))])
+def test_k_quant_codes_from_random_blocks(qtype, d_offsets):
+    """K-quants (gguf can read but not write them): random valid blocks, finite float16 scales."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    blocks = rng.integers(0, 256, (6 * 3, type_size), dtype=np.uint8)  # 6 rows x 3 blocks of 256
+    for off in d_offsets:
+        blocks[:, off: off + 2] = rng.uniform(-0.1, 0.1, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    data = blocks.reshape(6, 3 * type_size)
+    raw = quant.extract_codes(data, qtype)
+    reference = gguf.quants.dequantize(data, qtype)
+    np.testing.assert_array_equal(np.asarray(raw.as_linear((3 * 256, 6)).dequantize()), reference.T)
+
+
+def test_layers_of_mixed_types_stack_to_one_form():
+    a = quant.extract_codes(gguf.quants.quantize(np.full((4, 64), 0.5, np.float32), T.Q8_0), T.Q8_0)
+    b = quant.extract_codes(gguf.quants.quantize(np.linspace(-1, 1, 256, dtype=np.float32).reshape(4, 64),
+                                                 T.Q4_1), T.Q4_1)
+    layers = [a.as_linear((64, 4)), b.as_linear((64, 4))]
+    stacked = quant.stack_layers(layers)
+    assert stacked.offset is not None  # Q8_0 gets zero offsets to match Q4_1
+    for i, layer in enumerate(layers):
+        np.testing.assert_array_equal(np.asarray(stacked.dequantize())[i], np.asarray(layer.dequantize()))
+    mixed = quant.stack_layers([layers[0], np.ones((64, 4), np.float32)])  # one float layer: all float
+    assert isinstance(mixed, np.ndarray) and mixed.shape == (2, 64, 4)

@@ -11,7 +11,6 @@ import json
 import pathlib
 from typing import Any, Callable
 
-import jax
 import numpy as np
 
 from specjax.models import config as config_lib
@@ -65,8 +64,7 @@ def build_params(c: Config, get: Callable[[str], Any], source: str) -> dict:
         return fetch(name, (int(np.prod(shape)),)).reshape(shape)
 
     def stack(make):
-        per_layer = [make(f"model.layers.{i}.") for i in range(c.num_layers)]
-        return jax.tree.map(lambda *xs: np.stack(xs), *per_layer)
+        return quant.stack_layers([make(f"model.layers.{i}.") for i in range(c.num_layers)])
 
     layers = {
         "attn_norm": {"scale": stack(lambda p: vector(p + "input_layernorm.weight", (D,)))},
@@ -137,7 +135,7 @@ def gguf_fields(reader) -> dict:
 def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
     """(Config, params, metadata) from a GGUF file.
 
-    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 layer weights stay block-quantized (`quant.BlockQuant`, bit-
+    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K layer weights stay block-quantized (`quant.BlockQuant`, bit-
     identical values) when `keep_quantized`; every other tensor is dequantized to float32 by
     gguf.quants.
     """

@@ -17,6 +17,8 @@ against the library's dequantization of the original before returning.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,8 +74,27 @@ def _gguf_types():
     return {T.Q4_0: False, T.Q4_1: True, T.Q5_0: False, T.Q5_1: True, T.Q8_0: False}
 
 
+def _k_probes():
+    """K-quants: (sub-block size, how to make blocks whose values are the scales, and the
+    offsets). A probe only rewrites code bytes or the min's scale; the library dequantizes."""
+    from gguf import GGMLQuantizationType as T
+
+    def q4k_scale(b):  # every 4-bit code 1 and dmin 0: value = d * sc
+        b[:, 2:4] = np.array([0.0], np.float16).view(np.uint8)
+        b[:, 16:144] = 0x11
+
+    def q4k_offset(b):  # every code 0: value = -dmin * m
+        b[:, 16:144] = 0
+
+    def q6k_scale(b):  # every 6-bit code 33 (low nibbles 1, high bits 2): value = d * sc * (33 - 32)
+        b[:, 0:128] = 0x11
+        b[:, 128:192] = 0xAA
+
+    return {T.Q4_K: (32, q4k_scale, q4k_offset), T.Q6_K: (16, q6k_scale, None)}
+
+
 def supports(qtype) -> bool:
-    return qtype in _gguf_types()
+    return qtype in _gguf_types() or qtype in _k_probes()
 
 
 class RawBlocks:
@@ -97,31 +118,75 @@ class RawBlocks:
 
 
 def extract_codes(data: np.ndarray, qtype) -> RawBlocks:
-    """Integer codes and float32 scale/offset of a quantized GGUF tensor (uint8[rows, bytes])."""
+    """Integer codes and float32 scale/offset of a quantized GGUF tensor (uint8[rows, bytes]).
+
+    Legacy types (Q4_0 .. Q8_0): the float16 scale (and min) head each block; the codes are
+    what the library gives for the block with scale 1 and min 0. K-quants: the library's
+    values of probe blocks give each sub-block's scale and offset; codes follow from them.
+    Either way the result must reproduce `gguf.quants.dequantize` bit for bit, or it raises.
+    """
     import gguf
 
-    has_offset = _gguf_types()[qtype]
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(-1, type_size)
-    scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
-    unit = blocks.copy()
-    unit[:, 0:2] = np.array([1.0], np.float16).view(np.uint8)
-    offset = None
-    if has_offset:
-        offset = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
-        unit[:, 2:4] = np.array([0.0], np.float16).view(np.uint8)
-    codes_f = gguf.quants.dequantize(unit.reshape(data.shape), qtype)
+    reference = gguf.quants.dequantize(data, qtype)
+    deq = lambda b: gguf.quants.dequantize(b.reshape(data.shape), qtype)  # noqa: E731
+    if qtype in _gguf_types():
+        sub, offset = block_size, None
+        scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+        unit = blocks.copy()
+        unit[:, 0:2] = np.array([1.0], np.float16).view(np.uint8)
+        if _gguf_types()[qtype]:
+            offset = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+            unit[:, 2:4] = np.array([0.0], np.float16).view(np.uint8)
+        codes_f = deq(unit)
+    else:
+        sub, scale_probe, offset_probe = _k_probes()[qtype]
+        probe = blocks.copy()
+        scale_probe(probe)
+        scale = deq(probe)[:, ::sub]
+        offset = None
+        if offset_probe is not None:
+            probe = blocks.copy()
+            offset_probe(probe)
+            offset = deq(probe)[:, ::sub]
+        s_full = np.repeat(scale, sub, axis=1)
+        centered = reference - (np.repeat(offset, sub, axis=1) if offset is not None else 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            codes_f = np.where(s_full != 0, np.round(centered / np.where(s_full != 0, s_full, 1)), 0.0)
+    if np.abs(codes_f).max(initial=0) > 127:
+        raise ValueError(f"codes of a {qtype.name} tensor do not fit int8")
     codes = codes_f.astype(np.int8)
     # Self-check: the layout assumption must reproduce the library's values exactly.
-    recon = np.repeat(scale, block_size, axis=1) * codes.astype(np.float32)
+    recon = np.repeat(scale, sub, axis=1) * codes.astype(np.float32)
     if offset is not None:
-        recon = recon + np.repeat(offset, block_size, axis=1)
-    reference = gguf.quants.dequantize(data, qtype)
+        recon = recon + np.repeat(offset, sub, axis=1)
     if not (np.array_equal(codes.astype(np.float32), codes_f) and np.array_equal(recon, reference)):
         raise ValueError(f"block codes of a {qtype.name} tensor do not reproduce gguf's dequantization")
-    return RawBlocks(codes, scale, offset, block_size)
+    return RawBlocks(codes, scale, offset, sub)
 
+
+def stack_layers(per_layer: list):
+    """Stacks per-layer weights on a new axis 0. Block-quantized layers of different types
+    are brought to a common block size (scales repeated) and offset form (zeros); if only
+    some layers are block-quantized, all are dequantized (the values are the same)."""
+    quantized = [isinstance(x, BlockQuant) for x in per_layer]
+    if not any(quantized):
+        return np.stack(per_layer)
+    if not all(quantized):
+        return np.stack([np.asarray(x.dequantize()) if isinstance(x, BlockQuant) else x for x in per_layer])
+    bs = math.gcd(*[x.codes.shape[-2] for x in per_layer])
+    with_offset = any(x.offset is not None for x in per_layer)
+
+    def rebin(x: BlockQuant) -> BlockQuant:
+        nb, b, out = x.codes.shape
+        rep = b // bs
+        offset = x.offset if x.offset is not None else (np.zeros_like(x.scale) if with_offset else None)
+        side = lambda a: None if a is None else np.repeat(a, rep, axis=0)  # noqa: E731
+        return BlockQuant(np.asarray(x.codes).reshape(nb * rep, bs, out), side(x.scale), side(offset), x.shape)
+
+    return jax.tree.map(lambda *xs: np.stack(xs), *[rebin(x) for x in per_layer])
 
 
 def to_plain(tree):

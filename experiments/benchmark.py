@@ -1,0 +1,248 @@
+r"""Speculative decoding benchmark: methods x drafters against target-only decoding, interleaved.
+
+For each prompt (batch 1, the latency setting of speculative decoding) the
+binary runs target-only greedy, then every (drafter, method) configuration,
+then target-only again; a configuration's speedup is its tokens/s over the mean
+of the two baselines around it, and the drift between those baselines is
+reported. Tokens/s are totals over the prompts. Optionally transformers runs
+beside it as the peer (plain greedy, prompt lookup, assisted generation), also
+interleaved. Prints a Markdown table and writes a CSV.
+
+    python experiments/benchmark.py                                  # SmolLM2, pld, 16 HumanEval prompts
+    python experiments/benchmark.py --methods=exact,fly --fly=rule=reference,entropy=top3
+    python experiments/benchmark.py --model=qwen2.5-coder-1.5b-instruct \
+        --drafts=qwen2.5-coder-0.5b-instruct --num_prompts=4 --max_new_tokens=64 --peer
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+
+from absl import app, flags, logging
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
+_DRAFTS = flags.DEFINE_list("drafts", ["pld"], "Drafters: pld, self:N, a preset/path (draft model), "
+                            "or pld+<preset/path> (FLy's multi-level).")
+_METHODS = flags.DEFINE_list("methods", ["exact", "fly", "asd", "csd", "typical"], "Verification methods.")
+_K = flags.DEFINE_integer("k", 8, "Draft tokens per round.")
+_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
+_NUM = flags.DEFINE_integer("num_prompts", 16, "Prompts per dataset (the first N, in the dataset's order).")
+_DATASETS = flags.DEFINE_list("datasets", ["humaneval"], "humaneval and/or mtbench.")
+_CHAT_HE = flags.DEFINE_boolean("humaneval_chat", False, "HumanEval as a chat request (default: raw "
+                                "completion of the function prompt, HumanEval's own protocol).")
+_EOS = flags.DEFINE_boolean("stop_at_eos", True, "Stop at EOS (False: exactly max_new_tokens per prompt).")
+_TYPICAL_T = flags.DEFINE_float("typical_temperature", 0.7, "Temperature of the typical method (a T > 0 rule).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the sampling methods.")
+_PEER = flags.DEFINE_boolean("peer", False, "Run transformers beside specjax (greedy, prompt lookup, "
+                             "assisted generation for model drafts).")
+_PLD_TOKENS = flags.DEFINE_integer("peer_pld_tokens", 10, "transformers' prompt_lookup_num_tokens.")
+_CSV = flags.DEFINE_string("csv", "benchmark.csv", "Where to write the per-configuration rows.")
+_OPTIONS = {m: flags.DEFINE_string(m, "", f"Options of {m} as key=value,key=value (e.g. theta=0.3).")
+            for m in ("fly", "asd", "csd", "typical")}
+
+
+@dataclasses.dataclass
+class Tally:
+    tokens: int = 0
+    seconds: float = 0.0
+    taus: list = dataclasses.field(default_factory=list)
+    accepted: float = 0.0
+    loose: int = 0
+    examined: int = 0
+    diverged: int = 0
+    speedups: list = dataclasses.field(default_factory=list)
+
+    def add(self, out_tokens, seconds, stats=None):
+        self.tokens += sum(len(t) for t in out_tokens)
+        self.seconds += seconds
+        if stats:
+            self.taus.append(stats["tau"])
+            self.accepted += stats.get("accepted_per_round", 0.0)
+            self.loose += stats.get("loose", 0)
+            self.examined += stats.get("mismatches_examined", 0)
+
+    @property
+    def tps(self):
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def parse_options(text: str) -> dict:
+    options = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        if "=" not in item:
+            raise app.UsageError(f"rule option {item!r} is not key=value")
+        key, value = item.split("=", 1)
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                pass
+        if value in ("true", "false"):
+            value = value == "true"
+        options[key] = value
+    return options
+
+
+def machine() -> str:
+    import jax
+
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} on {jax.devices()[0].platform}"
+
+
+def resolve_draft(spec, target, models):
+    if spec in ("pld",) or spec.startswith("self:"):
+        return spec, spec
+    if spec.startswith("pld+"):
+        return ("pld", models.load(spec[4:])), spec
+    return models.load(spec), spec
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    logging.set_verbosity(logging.WARNING)
+    import specjax
+    from specjax import data, models
+
+    for name in (_K, _NEW, _NUM):
+        if name.value <= 0:
+            raise app.UsageError(f"--{name.name} must be positive")
+    unknown = sorted(set(_METHODS.value) - {"exact", "greedy", "fly", "asd", "csd", "typical", "sampling"})
+    if unknown:
+        raise app.UsageError(f"unknown method(s): {', '.join(unknown)}")
+    options = {m: parse_options(f.value) for m, f in _OPTIONS.items()}
+    started = time.perf_counter()
+    target = models.load(_MODEL.value)
+    tok = target.tokenizer
+    prompts = []
+    for dataset in _DATASETS.value:
+        if dataset == "humaneval" and not _CHAT_HE.value:
+            prompts += [("humaneval", tok.encode(p["prompt"])) for p in data.humaneval_problems(_NUM.value)]
+        else:
+            prompts += [(dataset, tok.chat_prompt_ids(m)) for m in data.messages(dataset, _NUM.value)]
+    eos = None if _EOS.value else ()
+    baseline = specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=eos)
+    configs = {}
+    for spec in _DRAFTS.value:
+        draft, label = resolve_draft(spec, target, models)
+        for method in _METHODS.value:
+            T = _TYPICAL_T.value if method == "typical" else 0.0
+            configs[(label, method)] = specjax.Engine(
+                target, draft=draft, method=method, k=_K.value, max_new_tokens=_NEW.value, temperature=T,
+                seed=_SEED.value, eos_ids=eos, **options.get(method, {}))
+
+    peer = _make_peer(target, _DRAFTS.value) if _PEER.value else {}
+    _log(f"compiling {1 + len(configs)} programs over {len(prompts)} prompts ...")
+    for _, ids in prompts:  # compile every prompt-length bucket outside the timings
+        for engine in [baseline, *configs.values()]:
+            engine.generate([ids])
+    _log("measuring ...")
+    base, tallies, drift = Tally(), {key: Tally() for key in configs}, []
+    peer_tallies = {name: Tally() for name in peer}
+    for i, (dataset, ids) in enumerate(prompts):
+        t = time.perf_counter()
+        reference = baseline.generate([ids]).tokens
+        first = time.perf_counter() - t
+        for key, engine in configs.items():
+            t = time.perf_counter()
+            out = engine.generate([ids])
+            tallies[key].add(out.tokens, time.perf_counter() - t, out.stats)
+            tallies[key].diverged += out.tokens != reference
+        for name, run in peer.items():
+            t = time.perf_counter()
+            n = run(ids)
+            peer_tallies[name].add([[0] * n], time.perf_counter() - t)
+        t = time.perf_counter()
+        baseline.generate([ids])
+        second = time.perf_counter() - t
+        base.tokens += 2 * len(reference[0])  # two runs of the baseline around the methods
+        base.seconds += first + second
+        drift.append(second / first)
+        _log(f"prompt {i + 1}/{len(prompts)} done ({time.perf_counter() - started:.0f}s elapsed)")
+
+    rows = [dict(engine="specjax", drafter="none", method="target-only", tokens_per_s=base.tps, speedup=1.0,
+                 tau=1.0, accepted_per_round=0.0, loose_share=0.0, divergence=0.0)]
+    for (label, method), tally in tallies.items():
+        n = len(tally.taus)
+        rows.append(dict(engine="specjax", drafter=label, method=method + (f"@T={_TYPICAL_T.value}" if method == "typical" else ""),
+                         tokens_per_s=tally.tps, speedup=tally.tps / base.tps, tau=statistics.mean(tally.taus),
+                         accepted_per_round=tally.accepted / n,
+                         loose_share=tally.loose / tally.examined if tally.examined else 0.0,
+                         divergence=tally.diverged / n))
+    for name, tally in peer_tallies.items():
+        rows.append(dict(engine="transformers", drafter=name.split(":")[0], method=name.split(":")[1],
+                         tokens_per_s=tally.tps, speedup=tally.tps / base.tps, tau=float("nan"),
+                         accepted_per_round=float("nan"), loose_share=float("nan"), divergence=float("nan")))
+    print(f"\nmachine: {machine()}")
+    print(f"target {_MODEL.value}; {len(prompts)} prompts ({', '.join(_DATASETS.value)}"
+          f"{'' if _CHAT_HE.value else ', HumanEval as raw completion'}); K={_K.value}; "
+          f"max_new_tokens={_NEW.value}; stop_at_eos={_EOS.value}; batch 1; options {options}")
+    print(f"baseline drift (second/first run of each prompt): median {statistics.median(drift):.3f}, "
+          f"range {min(drift):.3f}-{max(drift):.3f}; wall time {time.perf_counter() - started:.0f}s\n")
+    print("| engine | drafter | method | tokens/s | speedup vs specjax target-only | tau | accepted/round "
+          "| loose share | divergence |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['engine']} | {r['drafter']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} "
+              f"| {r['tau']:.2f} | {r['accepted_per_round']:.2f} | {r['loose_share']:.2f} | {r['divergence']:.2f} |")
+    if _CSV.value:
+        with open(_CSV.value, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"\nwrote {_CSV.value}")
+
+
+def _make_peer(target, drafts):
+    """transformers on the same GGUF files: greedy, prompt lookup, assisted generation."""
+    import torch
+    import transformers
+
+    from specjax import models
+
+    def load(preset):
+        path = models.presets.resolve(preset)
+        return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                 dtype=torch.float32).eval()
+
+    hf_target = load(_MODEL.value)
+    eos = target.tokenizer.eos_token_id
+
+    def runner(**kwargs):
+        def run(ids):
+            batch = torch.tensor([ids])
+            extra = {} if _EOS.value else dict(min_new_tokens=_NEW.value)
+            with torch.inference_mode():
+                out = hf_target.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=_NEW.value,
+                                         do_sample=False, pad_token_id=eos, eos_token_id=eos, **extra, **kwargs)
+            return out.shape[1] - len(ids)
+        return run
+
+    peer = {"none:target-only": runner(), f"pld:prompt-lookup({_PLD_TOKENS.value})":
+            runner(prompt_lookup_num_tokens=_PLD_TOKENS.value)}
+    for spec in drafts:
+        name = spec[4:] if spec.startswith("pld+") else spec
+        if name in models.PRESETS:
+            peer[f"{name}:assisted"] = runner(assistant_model=load(name))
+    return peer
+
+
+def _log(msg):
+    print(f"[benchmark] {msg}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
