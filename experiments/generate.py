@@ -2,76 +2,132 @@ r"""Generates text with specjax and prints it with its statistics.
 
     python experiments/generate.py                          # SmolLM2 default, a built-in prompt
     python experiments/generate.py --prompt "Write a quicksort in Python." --max_new_tokens 200
-    python experiments/generate.py --model path/to/model.gguf --prompts_file prompts.txt
+    python experiments/generate.py --draft pld --method fly --theta 0.3 --window 6
+    python experiments/generate.py --model qwen2.5-coder-1.5b-instruct \
+        --draft qwen2.5-coder-0.5b-instruct --method csd --csd_memory /tmp/csd_memory
+    python experiments/generate.py --model path/to/model.gguf --prompts_file prompts.txt --batch_size 4
+
+Prompts run `--batch_size` at a time (default one by one): each text is printed as
+its batch finishes, with a progress line on stderr; a batch is one compiled program,
+so while it runs only its elapsed time is shown. Compilation is done (and timed)
+before generating. Rule options (--theta, --budget, ...) are passed only when set.
 """
 
 from __future__ import annotations
 
-import sys
-import time
+import json
 
 from absl import app, flags, logging
 
-import specjax
-from specjax import models
+from specjax import models, verify
 
-_MODEL = flags.DEFINE_string("model", models.DEFAULT_PRESET, "Preset name, .gguf file or HF model directory.")
-_PROMPT = flags.DEFINE_multi_string("prompt", None, "A prompt (repeat the flag for a batch).")
-_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "A text file with one prompt per line.")
-_CHAT = flags.DEFINE_boolean("chat", True, "Wrap each prompt in the model's chat template.")
-_METHOD = flags.DEFINE_string("method", "greedy", "Verification method (greedy = exact).")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 96, "New tokens per prompt (EOS may stop earlier).")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (with --temperature > 0).")
-_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
+try:
+    from experiments import _common as C  # python -m experiments.generate
+except ImportError:
+    import _common as C  # python experiments/generate.py
+
+_MODEL = flags.DEFINE_string("model", models.DEFAULT_PRESET,
+                             f"Target: a preset ({', '.join(models.PRESETS)}), a .gguf file, a Hugging Face "
+                             f"directory, or {C.RANDOM}[:SEED] (a tiny random model, for tests).")
+_DRAFT = flags.DEFINE_string("draft", "none", "Drafter: none (target-only decoding) | pld (prompt lookup) | "
+                             "self:N (the target's first N layers) | a model like --model | pld+<model> "
+                             "(FLy's multi-level drafting).")
+_METHOD = flags.DEFINE_enum("method", "greedy", list(verify.METHODS),
+                            "Verification rule (greedy = exact); loose rules need a draft.")
 _K = flags.DEFINE_integer("k", 8, "Draft tokens per round.")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "A prompt (repeat the flag for several).")
+_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "A text file with one prompt per line.")
+_DATASET = flags.DEFINE_enum("dataset", None, list(C.DATASETS), "Add prompts from MT-Bench or HumanEval.")
+_NUM = flags.DEFINE_integer("num_prompts", None, "Keep this many prompts (after --prompt_offset).")
+_OFFSET = flags.DEFINE_integer("prompt_offset", 0, "Skip this many dataset prompts.")
+_CHAT = flags.DEFINE_boolean("chat", True, "Wrap each prompt in the model's chat template.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 96, "New tokens per prompt (EOS may stop earlier).")
+_IGNORE_EOS = flags.DEFINE_boolean("ignore_eos", False, "Generate exactly --max_new_tokens (as benchmarks do).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples (lossless rules only).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (target-only decoding, temperature > 0).")
+_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
+_BATCH = flags.DEFINE_integer("batch_size", 1, "Prompts per generate call.")
+_PLD_MATCH = flags.DEFINE_enum("pld_match", "earliest", ["earliest", "latest"],
+                               "Which earlier occurrence prompt lookup continues.")
+_OUTPUT = flags.DEFINE_string("output", None, "Write prompts, texts, tokens and statistics to this JSON file.")
+_QUIET = flags.DEFINE_boolean("quiet", False, "No progress lines on stderr.")
+C.define_rule_flags()
+C.define_calibration_flags()
+flags.adopt_module_key_flags(C)  # --help lists the flags defined in _common
 
 DEFAULT_PROMPTS = ["Write a Python function that checks whether a string is a palindrome."]
 
 
-def _log(msg: str) -> None:
-    print(f"[specjax] {msg}", file=sys.stderr, flush=True)
-
-
-def read_prompts() -> list[str]:
-    prompts = list(_PROMPT.value or [])
-    if _PROMPTS_FILE.value:
-        with open(_PROMPTS_FILE.value, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
-    return prompts or DEFAULT_PROMPTS
+def _validate() -> None:
+    for name, value in (("k", _K.value), ("max_new_tokens", _MAX_NEW.value), ("batch_size", _BATCH.value)):
+        if value <= 0:
+            raise app.UsageError(f"--{name} must be positive, got {value}")
+    if _NUM.value is not None and _NUM.value <= 0:
+        raise app.UsageError(f"--num_prompts must be positive, got {_NUM.value}")
+    if _OFFSET.value < 0:
+        raise app.UsageError(f"--prompt_offset must be >= 0, got {_OFFSET.value}")
+    if flags.FLAGS.csd_memory and _METHOD.value != "csd":
+        raise app.UsageError(f"--csd_memory is for --method csd, not {_METHOD.value}")
+    if flags.FLAGS.asd_calibration and _METHOD.value != "asd":
+        raise app.UsageError(f"--asd_calibration is for --method asd, not {_METHOD.value}")
+    if _DRAFT.value.lower() == "none" and (_METHOD.value not in ("greedy", "exact") or C.rule_options_from_flags()):
+        raise app.UsageError(f"--method {_METHOD.value} and rule options need a --draft "
+                             "(pld, self:N, a model, or pld+<model>); --draft none is target-only decoding")
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if _MAX_NEW.value <= 0:
-        raise app.UsageError(f"--max_new_tokens must be positive, got {_MAX_NEW.value}")
+    _validate()
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-    prompts = read_prompts()
-    _log(f"loading {_MODEL.value} ...")
-    model = models.load(_MODEL.value)
-    _log(f"loaded in {model.load_seconds:.1f}s ({model.load_source}); "
-         f"{model.config.num_layers} layers, vocab {model.config.vocab_size}")
-    if model.tokenizer is None:
-        raise app.UsageError(f"{_MODEL.value} has no tokenizer; pass a GGUF or a directory with tokenizer.json")
-    tok = model.tokenizer
-    ids = [tok.chat_prompt_ids(p) if _CHAT.value else tok.encode(p) for p in prompts]
-    engine = specjax.Engine(model, method=_METHOD.value, k=_K.value, max_new_tokens=_MAX_NEW.value,
-                            temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value)
-    _log(f"compiling the generation program (batch {len(ids)}, {_MAX_NEW.value} new tokens) ...")
-    start = time.perf_counter()
-    engine.lower(ids).compile()
-    _log(f"compiled in {time.perf_counter() - start:.1f}s; generating ...")
-    start = time.perf_counter()
-    out = engine.generate(ids)
-    seconds = time.perf_counter() - start
-    total = sum(len(t) for t in out.tokens)
-    for prompt, tokens in zip(prompts, out.tokens):
-        print(f"\n>>> {prompt}\n{tok.decode(tokens, skip_special_tokens=True)}")
-    print(f"\n--- {len(prompts)} prompt(s), {total} new tokens in {seconds:.2f}s "
-          f"({total / seconds:.1f} tokens/s), method={_METHOD.value}")
-    for key in ("tau", "rounds", "tau_per_request"):
-        print(f"{key}: {out.stats[key]}")
+    say = (lambda msg: None) if _QUIET.value else C.log
+    texts = C.read_prompts(_PROMPT.value, _PROMPTS_FILE.value, _DATASET.value, _NUM.value, _OFFSET.value)
+    texts = texts or DEFAULT_PROMPTS
+    target = C.load_model(_MODEL.value)
+    draft = C.resolve_draft(_DRAFT.value, _MODEL.value)
+    options = C.apply_calibration(_METHOD.value, C.rule_options_from_flags(), target.config.vocab_size, _K.value)
+    extra = {"eos_ids": ()} if _IGNORE_EOS.value else {}
+    engine = C.make_engine(target, draft, _METHOD.value, _K.value, _MAX_NEW.value, temperature=_TEMPERATURE.value,
+                           top_p=_TOP_P.value, seed=_SEED.value, pld_match=_PLD_MATCH.value, **extra, **options)
+    tok = target.tokenizer
+    ids = C.encode(tok, texts, _CHAT.value)
+    say(f"{len(ids)} prompt(s), {_MAX_NEW.value} new tokens each, method {_METHOD.value}, draft {_DRAFT.value}"
+        + (f", k {_K.value}" if draft is not None else ""))
+    say("compiling the generation program ...")
+
+    def show(i, batch, out):
+        for j, tokens in enumerate(out.tokens):
+            n = i * _BATCH.value + j
+            print(f"\n>>> {texts[n]}\n{tok.decode(tokens, skip_special_tokens=True)}", flush=True)
+
+    with C.Ticker("compiling") if not _QUIET.value else C._Null():
+        compile_s = C.compile_for(engine, C.chunks(ids, _BATCH.value))
+    say(f"compiled in {compile_s:.1f}s; generating ...")
+    result = C.run(engine, ids, _BATCH.value, progress=not _QUIET.value, on_batch=show, warm=False)
+    s = result.stats
+    print(f"\n--- {len(ids)} prompt(s), {result.num_tokens} new tokens in {result.seconds:.2f}s "
+          f"({result.tokens_per_s:.1f} tokens/s), method={_METHOD.value}, draft={_DRAFT.value}, "
+          f"compile {compile_s:.1f}s")
+    for key in ("tau", "rounds", "tau_per_request", "accepted_per_round", "accepted_per_position", "loose",
+                "mismatches_examined", "loose_share", "csd_memory_filled_max", "csd_memory_capacity",
+                "csd_memory_dropped", "ledger_spent_per_request"):
+        if key in s:
+            value = s[key]
+            if isinstance(value, float):
+                value = round(value, 4)
+            elif isinstance(value, list) and value and isinstance(value[0], float):
+                value = [round(v, 3) for v in value]
+            print(f"{key}: {value}")
+    if _OUTPUT.value:
+        record = {"model": _MODEL.value, "draft": _DRAFT.value, "method": _METHOD.value, "k": _K.value,
+                  "options": {k: v for k, v in options.items() if k != "csd_memory"},
+                  "csd_memory": flags.FLAGS.csd_memory, "max_new_tokens": _MAX_NEW.value,
+                  "seconds": result.seconds, "compile_seconds": compile_s, "machine": C.machine(),
+                  "prompts": texts, "texts": [tok.decode(t, skip_special_tokens=True) for t in result.tokens],
+                  "tokens": result.tokens, "stats": s}
+        with open(_OUTPUT.value, "w", encoding="utf-8") as f:
+            json.dump(C.jsonable(record), f, indent=1)
+        say(f"wrote {_OUTPUT.value}")
 
 
 if __name__ == "__main__":

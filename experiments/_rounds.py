@@ -1,0 +1,108 @@
+"""Exact speculative rounds reconstructed from teacher forcing (the calibration binaries).
+
+The target decodes a prompt greedily; both models then run once over prompt +
+continuation (`Model.logits`). Exact speculative decoding emits exactly the
+target's greedy tokens, and while a round's drafts match, the draft model has
+seen exactly those tokens too, so each round's first mismatch, and the target's
+logits there, can be read off the two forwards (`exact_rounds`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from specjax import models
+
+try:
+    from experiments import _common as C
+except ImportError:
+    import _common as C
+
+
+def teacher_forced(model: models.Model, seq: Sequence[int], bucket: int = 128):
+    """float32[len(seq), V] logits (row q predicts seq[q + 1]) of one sequence, on the device.
+
+    The sequence is right-padded to a multiple of `bucket` (causal attention ignores
+    the padding) so that `Model.logits` compiles once per bucket, not per length."""
+    import jax.numpy as jnp
+
+    T = len(seq)
+    buf = np.zeros((1, -(-T // bucket) * bucket), np.int32)
+    buf[0, :T] = seq
+    return model.logits(jnp.asarray(buf))[0, :T]
+
+
+class Round(NamedTuple):
+    L: int  # position of the round's pending token
+    b: int  # drafts matched before the first mismatch (K: none; fewer when the sequence ends)
+    mismatch: bool  # the round stopped on a mismatch at draft position b (b < K)
+
+
+def exact_rounds(t_Q: np.ndarray, d_Q: np.ndarray, start: int, end: int, k: int) -> list[Round]:
+    """Rounds of exact speculative decoding along a target-greedy sequence, from teacher forcing.
+
+    t_Q / d_Q: the target's / draft's argmax at each position q (predicting token q + 1).
+    A round whose pending token sits at L drafts d_Q[L .. L+K-1] (while its drafts
+    match, the draft saw exactly the target's tokens: its greedy drafts are these)
+    and commits its b matching drafts plus the target's token. Rounds run while
+    L < end, the position of the last emitted token; the first pending token is
+    the prefill's, at `start` (the prompt length).
+    """
+    rounds, L = [], start
+    while L < end:
+        b, mismatch = k, False
+        for i in range(k):
+            if L + i >= end:  # the sequence ends inside this round
+                b = i
+                break
+            if d_Q[L + i] != t_Q[L + i]:
+                b, mismatch = i, True
+                break
+        rounds.append(Round(L, b, mismatch))
+        L += b + 1
+    return rounds
+
+
+def asd_block_values(t_Q, d_Q, regret_Q, start: int, end: int, k: int) -> tuple[list[float], list[Round]]:
+    """ASD's calibration values along one sequence, and its exact rounds: for each round
+    (block) whose first mismatch b < K has a positive regret r_b, r_b / ((K - b) / K)."""
+    rounds = exact_rounds(t_Q, d_Q, start, end, k)
+    values = [float(regret_Q[r.L + r.b]) / ((k - r.b) / k) for r in rounds
+              if r.mismatch and regret_Q[r.L + r.b] > 0]
+    return values, rounds
+
+
+def consistent_end(t_Q: np.ndarray, seq: Sequence[int], prompt_len: int) -> int:
+    """Last position whose token the teacher-forced target reproduces greedily: `seq` is
+    target-greedy up to there (a near-tie decided differently by the cached decode
+    and the full forward ends the usable part)."""
+    seq = np.asarray(seq)
+    for q in range(prompt_len - 1, len(seq) - 1):
+        if t_Q[q] != seq[q + 1]:
+            return q
+    return len(seq) - 1
+
+
+
+
+def greedy_sequences(target: models.Model, ids: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int,
+                     progress: bool = True) -> list[list[int]]:
+    """prompt + the target's greedy continuation (natural EOS end) of every prompt."""
+    engine = C.make_engine(target, None, "greedy", 1, max_new_tokens)
+    out = C.run(engine, ids, batch_size, label="target greedy: ", progress=progress)
+    return [list(p) + list(t) for p, t in zip(ids, out.tokens)]
+
+
+def argmax_and_regret(target: models.Model, draft: models.Model, seq: Sequence[int], bucket: int = 128):
+    """Teacher forcing of both models on one sequence: per position q (predicting token q + 1),
+    the target's argmax t, the draft's argmax d, and the target's logit regret of d,
+    max L[q] - L[q][d[q]]. NumPy arrays of len(seq)."""
+    import jax.numpy as jnp
+
+    d_Q = jnp.argmax(teacher_forced(draft, seq, bucket), axis=-1)
+    L_QV = teacher_forced(target, seq, bucket)
+    t_Q = jnp.argmax(L_QV, axis=-1)
+    regret_Q = jnp.max(L_QV, axis=-1) - jnp.take_along_axis(L_QV, d_Q[:, None], axis=-1)[:, 0]
+    return np.asarray(t_Q), np.asarray(d_Q), np.asarray(regret_Q, np.float32)

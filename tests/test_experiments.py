@@ -1,0 +1,307 @@
+"""The experiment binaries and the notebook, run end to end on tiny settings.
+
+Binaries run as subprocesses (their real command lines) on `random:tiny`, a
+2-layer random model with a byte-level tokenizer (experiments/_common.py), with
+K = 2 and a few tokens; the notebook runs on SmolLM2 with its small setting.
+They share a JAX compilation cache directory, so identical programs compile once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # experiments/ is not an installed package
+EXP = ROOT / "experiments"
+TINY = ["--model", "random:tiny", "--k", "2"]
+BINARIES = ("generate", "calibrate_csd", "calibrate_asd", "sweep", "audit")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, not the 8 fake ones of conftest.py
+    env.update(JAX_PLATFORMS="cpu", MPLBACKEND="Agg", PYTHONPATH=str(ROOT),
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+    return env
+
+
+def start(name, args, env):
+    return subprocess.Popen([sys.executable, str(EXP / f"{name}.py"), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def finish(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def run(name, args, env, ok=True):
+    code, out, err = finish(start(name, args, env))
+    if ok:
+        assert code == 0, f"{name} {' '.join(args)} failed:\n{out[-3000:]}\n{err[-3000:]}"
+    return code, out, err
+
+
+# --- flags: --help and clear errors (processes run two at a time) ----------------------------
+
+
+HELP_FLAGS = {
+    "generate": ["--draft", "--method", "--theta", "--window", "--entropy", "--rule", "--budget", "--gate",
+                 "--block_cap", "--suffix", "--min_count", "--tau", "--epsilon", "--delta", "--csd_memory",
+                 "--asd_calibration", "--prompts_file", "--batch_size"],
+    "calibrate_csd": ["--draft", "--output", "--capacity", "--positions", "--eval_prompts"],
+    "calibrate_asd": ["--draft", "--output", "--percentile", "--crosscheck"],
+    "sweep": ["--thetas", "--windows", "--ks", "--budgets", "--gates", "--min_counts", "--output_dir"],
+    "audit": ["--method", "--mtbench_questions", "--humaneval_problems", "--time_budget_minutes", "--exec_timeout"],
+}
+
+BAD_FLAGS = [
+    ("generate", ["--k", "0"], "--k must be positive"),
+    ("generate", ["--method", "fly"], "need a --draft"),
+    ("generate", [*TINY, "--draft", "self:1", "--method", "fly", "--budget", "3"], "does not apply to method 'fly'"),
+    ("generate", ["--model", "no-such-preset"], "cannot load model"),
+    ("calibrate_csd", ["--output", "/tmp/x"], "--draft"),
+    ("calibrate_asd", [*TINY, "--draft", "pld", "--output", "/tmp/x"], "calibration needs a draft model"),
+    ("sweep", ["--output_dir", "/tmp/x", "--thetas", "a,b"], "--thetas must be a comma list"),
+    ("audit", ["--output_dir", "/tmp/x", "--method", "fly:bogus=1"], "unknown option 'bogus'"),
+]
+
+
+def _pairs(items, launch):
+    results = []
+    for i in range(0, len(items), 2):
+        procs = [launch(item) for item in items[i: i + 2]]
+        results += [finish(p, timeout=120) for p in procs]
+    return results
+
+
+def test_every_binary_has_help(env):
+    results = _pairs(list(HELP_FLAGS), lambda name: start(name, ["--help"], env))
+    for (name, wanted), (code, out, err) in zip(HELP_FLAGS.items(), results):
+        assert "Traceback" not in err, err  # (absl's --help exits with status 1)
+        for flag in wanted:
+            assert flag in out, f"{name} --help lacks {flag}"
+
+
+def test_bad_flags_are_clear_usage_errors(env):
+    results = _pairs(BAD_FLAGS, lambda item: start(item[0], item[1], env))
+    for (name, args, message), (code, out, err) in zip(BAD_FLAGS, results):
+        assert code != 0, f"{name} {args} should fail"
+        assert message in err, f"{name} {args}: expected {message!r} in:\n{err[-2000:]}"
+        assert "Traceback" not in err, err[-2000:]
+
+
+# --- the binaries on a tiny random model -------------------------------------------------------
+
+
+def test_generate_prints_text_and_statistics(env, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\nwrite a haiku\n")
+    out_json = tmp_path / "g.json"
+    code, out, err = run("generate", [*TINY, "--draft", "self:1", "--method", "fly", "--theta", "0.5", "--window",
+                                      "1", "--prompts_file", str(prompts), "--max_new_tokens", "8",
+                                      "--output", str(out_json)], env)
+    assert ">>> hello there" in out and ">>> write a haiku" in out
+    assert "tau:" in out and "loose_share:" in out and "tokens/s" in out
+    assert "prompt 2/2" in err  # progress, one prompt at a time
+    record = json.loads(out_json.read_text())
+    assert record["options"] == {"theta": 0.5, "window": 1}  # only the flags that were set
+    assert len(record["tokens"]) == 2 and all(1 <= len(t) <= 8 for t in record["tokens"])
+    assert len(record["stats"]["tau_per_request"]) == 2
+
+
+def test_calibrate_csd_saves_a_memory_that_every_binary_loads(env, tmp_path):
+    from experiments import _common as C
+
+    mem = tmp_path / "mem"
+    run("calibrate_csd", [*TINY, "--draft", "self:1", "--num_prompts", "2", "--max_new_tokens", "8",
+                          "--capacity", "64", "--output", str(mem)], env)
+    meta = json.loads((mem / "calibration.json").read_text())
+    memory = C.load_csd_memory(mem, vocab_size=258)
+    assert memory.capacity == 64
+    stored = memory.to_dict()
+    assert len(stored) == meta["stored_pairs"] == meta["distinct_pairs"] > 0
+    assert sum(stored.values()) == meta["mismatches"] <= meta["positions_compared"]
+    assert all(a != b for a, b in stored)  # only disagreements are counted
+    code, out, _ = run("generate", [*TINY, "--draft", "self:1", "--method", "csd", "--csd_memory", str(mem),
+                                    "--min_count", "0", "--max_new_tokens", "8", "--prompt", "hi"], env)
+    assert "csd_memory_capacity: 64" in out
+
+
+def test_exact_rounds_from_teacher_forcing():
+    from experiments import _rounds as R
+
+    # target argmax t and draft argmax d along a sequence of 12 positions (prompt of 2)
+    t = np.array([0, 0, 5, 6, 7, 8, 9, 1, 2, 3, 4, 0])
+    d = np.array([0, 0, 5, 0, 7, 0, 0, 1, 2, 0, 4, 0])
+    rounds = R.exact_rounds(t, d, start=2, end=11, k=2)
+    # L=2: d5 ok, mismatch at 3 -> b=1; L=4: ok, mismatch at 5 -> b=1; L=6: mismatch -> b=0;
+    # L=7: 1,2 ok -> b=2; L=10: ok, then the sequence ends -> b=1, no mismatch
+    assert [tuple(r) for r in rounds] == [(2, 1, True), (4, 1, True), (6, 0, True), (7, 2, False), (10, 1, False)]
+
+
+def test_calibrate_asd_follows_the_published_procedure(env, tmp_path):
+    from experiments import _rounds as R
+
+    t = np.array([0, 0, 5, 6, 7, 8, 9, 1, 2, 3])
+    d = np.array([0, 0, 5, 0, 7, 8, 0, 1, 2, 0])
+    regret = np.array([0, 0, 0, 2.0, 0, 0, 0.5, 0, 0, 0.0])
+    values, rounds = R.asd_block_values(t, d, regret, 2, 9, 4)
+    # K=4: round at 2 stops at b=1 (r=2.0) -> 2.0 / (3/4); round at 4 stops at b=2 (r=0.5) -> 0.5 / (2/4);
+    # round at 7: 1, 2 match, position 9 is past the end
+    assert values == pytest.approx([2.0 / 0.75, 0.5 / 0.5])
+    assert [tuple(r) for r in rounds] == [(2, 1, True), (4, 2, True), (7, 2, False)]
+
+    out_json = tmp_path / "asd.json"
+    code, out, _ = run("calibrate_asd", [*TINY, "--draft", "self:1", "--num_prompts", "2", "--max_new_tokens", "8",
+                                         "--output", str(out_json), "--crosscheck"], env)
+    cal = json.loads(out_json.read_text())
+    assert cal["budget"] == cal["gate"] == pytest.approx(np.percentile(cal["values"], 25))
+    assert cal["block_cap"] == 1 and cal["suffix"] == "fraction" and cal["k"] == 2
+    assert all(v > 0 for v in cal["values"]) and cal["num_values"] == len(cal["values"])
+    c = cal["crosscheck"]  # the reconstruction's rounds are the engine's exact speculative decoding
+    assert c["tokens_identical"] == c["requests"] == 2 and c["rounds_identical"] == c["compared"] > 0
+    code, out, _ = run("generate", [*TINY, "--draft", "self:1", "--method", "asd", "--asd_calibration",
+                                    str(out_json), "--max_new_tokens", "8", "--prompt", "hi"], env)
+    assert "tau:" in out
+
+
+def test_sweep_writes_csv_and_plots(env, tmp_path):
+    import csv
+
+    run("sweep", [*TINY[:2], "--draft", "self:1", "--methods", "greedy,fly", "--ks", "2", "--thetas", "0.5",
+                  "--windows", "1", "--num_prompts", "2", "--max_new_tokens", "8", "--output_dir", str(tmp_path)], env)
+    with open(tmp_path / "sweep.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["label"] for r in rows] == ["target-only", "exact k=2", "fly k=2 theta=0.5,window=1"]
+    assert float(rows[1]["divergence"]) == 0.0  # exact verification is the target's greedy output
+    assert float(rows[2]["loose_share"]) > 0  # the tiny models disagree often and fly lets some through
+    assert all(float(r["speedup"]) > 0 and float(r["tau"]) >= 1 for r in rows)
+    for name in ("tau_vs_divergence.png", "speedup_vs_divergence.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_audit_table_with_sandboxed_pass_at_1(env, tmp_path):
+    code, out, err = run("audit", [*TINY, "--draft", "self:1", "--method", "exact", "--method",
+                                   "fly:theta=0.5,window=1", "--mtbench_questions", "1", "--mtbench_max_new_tokens",
+                                   "8", "--humaneval_problems", "1", "--humaneval_max_new_tokens", "8",
+                                   "--output_dir", str(tmp_path)], env)
+    assert "sandbox self-check: 1 canonical solutions pass, a wrong completion fails" in err
+    assert "| exact |" in out and "| fly:theta=0.5,window=1 |" in out
+    record = json.loads((tmp_path / "audit.json").read_text())
+    s = record["summary"]
+    assert s["exact"]["mtbench_divergence"] == 0.0 and s["exact"]["humaneval_divergence"] == 0.0
+    assert s["exact"]["humaneval_pass_at_1"] == s["target-only"]["humaneval_pass_at_1"]
+    recs = record["parts"]["humaneval"]["methods"][0]["records"]
+    assert recs[0]["task_id"] == "HumanEval/0" and "result" in recs[0]
+    assert (tmp_path / "audit.md").read_text().startswith("Audit:")
+
+
+def test_humaneval_sandbox_and_completion_extraction():
+    from experiments import _humaneval as H
+    from specjax import data
+
+    problem = data.humaneval_problems(1)[0]
+    body = problem["canonical_solution"]
+    reply = f"Here it is:\n```python\n{problem['prompt']}{body}```\nDone."
+    whole = H.extract_completion(problem, reply)
+    assert whole.startswith("\n") and f"def {problem['entry_point']}" in whole
+    assert H.extract_completion(problem, f"```\n{body}```") == body  # a body only
+    results = H.humaneval_check([problem] * 3, [whole, body, "    return None\n"], timeout=10)
+    assert [r["passed"] for r in results] == [True, True, False]
+
+
+def test_helpers():
+    from experiments import _common as C
+
+    assert C.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert C.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert C.first_difference([1, 2], [1, 2, 3]) == 2
+    d = C.divergence([[1, 2], [3, 4], [5]], [[1, 2], [3, 9], [6]])
+    assert d["divergence"] == pytest.approx(2 / 3) and d["first_diff_min"] == 0
+    assert C.parse_method_spec("fly:theta=0.3,window=6,draft=pld,k=4") == (
+        "fly", {"theta": 0.3, "window": 6, "draft": "pld", "k": 4})
+    merged = C.merge_stats([
+        {"tau_per_request": [2.0], "rounds_per_request": [3], "round_tokens_per_request": [6], "rounds": 3,
+         "accepted_counts_per_position": [3, 0], "offered_per_position": [3, 3], "loose": 1,
+         "mismatches_examined": 4, "loose_per_request": [1], "ledger_spent_per_request": [0.0]},
+        {"tau_per_request": [1.0], "rounds_per_request": [1], "round_tokens_per_request": [1], "rounds": 1,
+         "accepted_counts_per_position": [0, 0], "offered_per_position": [1, 1], "loose": 0,
+         "mismatches_examined": 0, "loose_per_request": [0], "ledger_spent_per_request": [0.0]}])
+    assert merged["tau"] == 1.5 and merged["accepted_per_position"] == [0.75, 0.0]
+    assert merged["accepted_per_round"] == 0.75 and merged["loose_share"] == 0.25
+    tok = C.byte_tokenizer()
+    ids = tok.chat_prompt_ids("héllo")
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhéllo\nassistant\n"
+    assert max(ids) < tok.vocab_size == 258
+
+
+def test_sweep_plots_recovery_when_measured(tmp_path):
+    sys.path.insert(0, str(EXP))
+    import sweep  # the only binary imported in this process (its flags are defined here once)
+
+    rows = [{"method": "target-only", "tau": 1.0, "speedup": 1.0, "divergence": 0.0, "recovery": 1.0}]
+    rows += [{"method": m, "tau": 1 + i + j, "speedup": 1 + (i + j) / 2, "divergence": j / 4, "recovery": 1 - j / 10}
+             for i, m in enumerate(["exact", "fly", "asd"]) for j in range(3)]
+    files = sweep.plot(rows, tmp_path, "test")
+    assert sorted(f.name for f in files) == ["speedup_vs_divergence.png", "speedup_vs_recovery.png",
+                                             "tau_vs_divergence.png", "tau_vs_recovery.png"]
+
+
+def test_csd_memory_files_round_trip(tmp_path):
+    from absl import app
+
+    from experiments import _common as C
+
+    C.save_csd_memory(tmp_path / "a", np.array([[1, 2], [3, 4]]), np.array([7, 1]), 16, {})
+    memory = C.load_csd_memory(tmp_path / "a", vocab_size=258)
+    assert memory.to_dict() == {(1, 2): 7, (3, 4): 1} and memory.capacity == 16
+    assert C.load_csd_memory(tmp_path / "a", capacity=4).capacity == 4
+    with pytest.raises(app.UsageError, match="outside the target's vocabulary"):
+        C.load_csd_memory(tmp_path / "a", vocab_size=4)
+    C.save_csd_memory(tmp_path / "empty", np.zeros((0, 2)), np.zeros((0,)), 8, {})  # no mismatch seen
+    assert C.load_csd_memory(tmp_path / "empty").to_dict() == {}
+    with pytest.raises(app.UsageError, match="no saved memory"):
+        C.load_csd_memory(tmp_path / "missing")
+
+
+def test_pareto_front():
+    from experiments._common import pareto
+
+    pts = [(0.0, 1.5), (0.1, 1.4), (0.2, 2.0), (0.3, 1.9), (0.5, 2.5)]
+    assert pareto(pts) == [(0.0, 1.5), (0.2, 2.0), (0.5, 2.5)]
+    assert pareto([(1.0, 1.0), (0.9, 1.2), (0.8, 0.5)], minimize_x=False) == [(1.0, 1.0), (0.9, 1.2)]
+
+
+# --- the notebook -------------------------------------------------------------------------------
+
+
+@pytest.mark.smollm2
+def test_notebook_runs_end_to_end_in_its_small_setting(env, tmp_path):
+    """Every code cell but the install cell (tagged "install"), in order, in a fresh interpreter."""
+    from specjax.models import PresetError, presets
+
+    try:
+        presets.resolve("smollm2-135m-instruct")
+    except PresetError as e:
+        pytest.skip(str(e))
+    nb = json.loads((EXP / "notebooks" / "specjax_colab.ipynb").read_text())
+    cells = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert any("install" in c["metadata"].get("tags", []) for c in cells)
+    code = "\n\n".join("".join(c["source"]) for c in cells if "install" not in c["metadata"].get("tags", []))
+    script = tmp_path / "notebook.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], env={**env, "SPECJAX_NOTEBOOK_SMALL": "1"},
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("target-only", "exact", "fly", "asd", "csd"):
+        assert f"| {name} |" in proc.stdout
