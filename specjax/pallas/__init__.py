@@ -5,6 +5,10 @@
 - `gate_stats_sharded`: the same for logits sharded over V on a mesh axis.
 - `regret_prefix`: SPEC.md's ASD cumulative-regret prefix selection for a batch.
 
+`specjax.verify` reads every statistic its rules need through `gate_stats` (or
+`gate_stats_sharded` under `verify.use_vocab_sharding`), and ASD's prefix
+selection is `regret_prefix`.
+
 Each dispatches (see `_dispatch`) to the compiled kernel on GPU/TPU and to its jnp
 reference on CPU; `impl="kernel"`, `set_impl("kernel")` or `SPECJAX_PALLAS=kernel`
 forces the kernel (interpret mode on CPU).

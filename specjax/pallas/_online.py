@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG_INF = float("-inf")
 MAX_VOCAB = 2**24  # indices are reduced as float32 inside the kernels
@@ -161,7 +162,7 @@ def finalize(p: GatePartials, vocab: int, tokens) -> GateStats:
     lse = p.max + log_s
     entropy = jnp.maximum(log_s - p.sum_exp_shift / p.sum_exp, 0.0)
     normalized = normalized_entropy(entropy, p.sum_exp, vocab)
-    top3 = top3_entropy(p.top3, lse)
+    top3 = top3_entropy(p.top3, p.max, log_s)
     if tokens is None:
         token_logit = jnp.full_like(entropy, jnp.nan)
     else:
@@ -175,16 +176,21 @@ def normalized_entropy(entropy, sum_exp, vocab: int):
 
     A row is uniform when every exp(x - max) is 1, i.e. sum_exp == V. Pinning it to 1
     keeps SPEC.md's "a uniform row has h = 1" independent of how the compiler
-    evaluates log(V) (a folded constant and a runtime log can differ by an ulp).
+    evaluates log. log V is a correctly rounded float32 constant (NumPy, float64).
     """
     if vocab == 1:
         return jnp.zeros_like(entropy)
-    h = jnp.clip(entropy / jnp.log(jnp.float32(vocab)), 0.0, 1.0)
+    h = jnp.clip(entropy / np.float32(np.log(vocab)), 0.0, 1.0)
     return jnp.where(sum_exp == jnp.float32(vocab), 1.0, h)
 
 
-def top3_entropy(top_vals, lse):
-    """-sum p log p over the given largest logits [..., k] (k <= 3, -inf allowed), clamped at 0."""
-    lp = top_vals - lse[..., None]
+def top3_entropy(top_vals, max_logit, log_sum_exp):
+    """-sum p log p over the given largest logits [..., k] (k <= 3, -inf allowed), clamped at 0.
+
+    log p = (x - max) - log s, with s = sum exp(x - max): shifting by the max first
+    keeps log p of the top entries accurate when the logits are large.
+    """
+    shift = jnp.where(max_logit == NEG_INF, 0.0, max_logit)
+    lp = (top_vals - shift[..., None]) - log_sum_exp[..., None]
     term = jnp.where(top_vals == NEG_INF, 0.0, jnp.exp(lp) * lp)
     return jnp.maximum(-jnp.sum(term, axis=-1), 0.0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from specjax.pallas import _dispatch, _gate_kernel, _online
 from specjax.pallas._online import MAX_VOCAB, NEG_INF, GatePartials, GateStats
@@ -56,6 +57,16 @@ def check_inputs(logits, tokens) -> None:
                              f"got {tuple(tshape)}")
 
 
+def first_argmax(x, m):
+    """Lowest index of the max `m` of each row of x [..., V] (jnp.argmax's rule, a NaN
+    counting as the max), int32. A compare and a float32 min-reduction (indices are
+    exact below MAX_VOCAB): XLA:CPU runs them several times faster than jnp.argmax's
+    variadic (value, index) reduction."""
+    col = lax.broadcasted_iota(jnp.float32, x.shape, x.ndim - 1)
+    hit = (x == m[..., None]) | jnp.isnan(x)
+    return jnp.min(jnp.where(hit, col, jnp.inf), axis=-1).astype(jnp.int32)
+
+
 def gate_stats_reference(logits, tokens=None) -> GateStats:
     """Straightforward jnp statistics of `logits` [..., V]; tokens int [...] or None."""
     check_inputs(logits, tokens)
@@ -71,9 +82,10 @@ def _reference(logits, tokens) -> GateStats:
     d = x - ms                                   # <= 0; -inf entries give exp(d) = 0
     e = jnp.exp(d)
     s = jnp.sum(e, axis=-1)
-    lse = ms[..., 0] + jnp.log(s)
+    log_s = jnp.log(s)
+    lse = ms[..., 0] + log_s
     # H = -sum p log p with p = e / s, log p = d - log s; 0 log 0 = 0.
-    entropy = jnp.log(s) - jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1) / s
+    entropy = log_s - jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1) / s
     entropy = jnp.maximum(entropy, 0.0)
     normalized = _online.normalized_entropy(entropy, s, V)
     top = jax.lax.top_k(x, min(3, V))[0]
@@ -86,11 +98,11 @@ def _reference(logits, tokens) -> GateStats:
         token_logit = jnp.where(ok, picked, jnp.nan)
     return GateStats(
         max_logit=m[..., 0],
-        argmax=jnp.argmax(x, axis=-1).astype(jnp.int32),
+        argmax=first_argmax(x, m[..., 0]),
         lse=lse,
         entropy=entropy,
         entropy_normalized=normalized,
-        entropy_top3=_online.top3_entropy(top, lse),
+        entropy_top3=_online.top3_entropy(top, m[..., 0], log_s),
         token_logit=token_logit,
     )
 
@@ -114,7 +126,7 @@ def gate_partials_reference(x_NxV, tok_N) -> GatePartials:
         sum_exp=jnp.sum(e, axis=-1),
         sum_exp_shift=jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1),
         top3=top,
-        argmax=jnp.argmax(x, axis=-1).astype(jnp.int32),
+        argmax=first_argmax(x, m),
         token_logit=jnp.sum(jnp.where(col[None] == tok_N[:, None], x, 0.0), axis=-1),
     )
 

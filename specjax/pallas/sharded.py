@@ -37,14 +37,32 @@ def _axis_size(mesh: Mesh, axis) -> int:
 
 
 def _constrain(a, mesh: Mesh, spec: P):
-    """Places `a` as `spec` on `mesh`: `jax.reshard` on Explicit axes, a constraint on Auto ones."""
+    """Places `a` as `spec` on `mesh`: `jax.reshard` on Explicit axes, a constraint on Auto ones.
+
+    On a mesh with Explicit axes an array whose type already carries `spec` is left
+    alone: besides saving a no-op, this keeps the function usable under `jax.vmap`,
+    whose batching of a reshard or constraint leaves the new axis unconstrained,
+    which Explicit axes refuse.
+    """
     names = [n for entry in spec if entry is not None
              for n in (entry if isinstance(entry, tuple) else (entry,))]
     sharding = NamedSharding(mesh, spec)
     types = dict(zip(mesh.axis_names, mesh.axis_types))
+    if AxisType.Explicit in types.values() and _spec_of(a) == _padded(tuple(spec), len(a.shape)):
+        return a
     if any(types[n] == AxisType.Explicit for n in names):
         return jax.reshard(a, sharding)
     return lax.with_sharding_constraint(a, sharding)
+
+
+def _padded(spec: tuple, rank: int) -> tuple:
+    return spec + (None,) * (rank - len(spec))
+
+
+def _spec_of(a) -> tuple:
+    """The PartitionSpec in `a`'s type (all None unless sharded on Explicit axes), padded."""
+    spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", None)
+    return _padded(tuple(spec or ()), len(a.shape))
 
 
 def _pack(p: GatePartials):

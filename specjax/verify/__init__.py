@@ -2,10 +2,13 @@
 
 Each rule verifies one sequence (draft_tokens int[K], target_logits [K+1, V]);
 jax.vmap gives the batch. make_policy wraps a rule and its state for the engine.
+Every rule reads the logits through `row_stats`, which takes its statistics from
+`specjax.pallas` (fused kernels on GPU/TPU; `use_vocab_sharding` for logits
+sharded over the vocabulary on a mesh).
 """
 
 from specjax.verify._asd import asd
-from specjax.verify._common import RowStats, Verdict, row_stats
+from specjax.verify._common import RowStats, Verdict, VocabSharding, row_stats, use_vocab_sharding
 from specjax.verify._csd import csd, csd_batch
 from specjax.verify._csd_memory import CSDMemory, csd_count, csd_memory
 from specjax.verify._fly import fly
@@ -20,6 +23,7 @@ __all__ = [
     "Policy",
     "RowStats",
     "Verdict",
+    "VocabSharding",
     "asd",
     "csd",
     "csd_batch",
@@ -31,4 +35,5 @@ __all__ = [
     "row_stats",
     "speculative_sampling",
     "typical",
+    "use_vocab_sharding",
 ]

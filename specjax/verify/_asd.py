@@ -1,8 +1,9 @@
 """asd (Approximate Speculative Decoding): mismatches paid from a request-level regret budget.
 
-SPEC.md writes the rule as a loop that breaks at the first refused position;
-here every position's test is evaluated at once on prefix sums, and
-n = sum(cumprod(acc)) keeps exactly the loop's prefix.
+The logits give the exact flags and the regrets (one `row_stats` pass); SPEC.md's
+loop itself is `specjax.pallas.regret_prefix` (a Pallas kernel on GPU/TPU, a
+`lax.scan` on CPU), which adds the regrets in the loop's order, so the ledger is
+the loop's float32 sum bit for bit.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax import pallas
 from specjax.verify import _common
 from specjax.verify._common import Verdict
 
@@ -42,21 +44,9 @@ def asd(draft_tokens, target_logits, budget_left, *, gate=0.25, block_cap=2, suf
     ex_K = _common.exact_flags(d_K, stats.argmax, k)
     mis_K = _common.valid_mask(K, k) & ~ex_K
     # Logit regret of the mismatches only, so that padding (maybe nan) never
-    # reaches the prefix sums.
+    # reaches the ledger.
     r_K = jnp.where(mis_K, stats.max[:K] - stats.logit_at[:K], 0.0)
-    i_K = jnp.arange(K, dtype=jnp.float32)
-    k_f = k.astype(jnp.float32)
-    q_K = k_f - i_K if suffix == "count" else (k_f - i_K) / k_f
-    R_K = jnp.cumsum(r_K)  # R after adding position i
-    R_prev_K = jnp.concatenate([jnp.zeros((1,), jnp.float32), R_K[:-1]])
-    c_K = jnp.cumsum(mis_K.astype(jnp.int32))  # mismatches so far, this one included
-    strict = (gate <= 0) | (block_cap <= 0)  # specjax's choice: no loose acceptance
-    allowed_K = _common.check_loose_mask(fn, loose_mask, K)
-    pays_K = (~strict & allowed_K & ~(r_K / q_K > gate) & (c_K <= block_cap)
-              & (R_prev_K < budget) & (R_K <= budget))
-    n = _common.accepted_count(ex_K | (mis_K & pays_K))
-    # Charge the very cumulative sum the last accepted mismatch was tested
-    # against, so the ledger never goes below zero.
-    last = jnp.max(jnp.where(mis_K & (jnp.arange(K) < n), jnp.arange(K), -1))
-    spent = jnp.where(last >= 0, R_K[jnp.maximum(last, 0)], 0.0)
-    return Verdict(n, stats.argmax[n], _common.count_before(mis_K, n)), budget - spent
+    sel = pallas.regret_prefix(mis_K, r_K, budget, gate=gate, block_cap=block_cap, suffix=suffix, num_draft=k,
+                               loose_mask=_common.check_loose_mask(fn, loose_mask, K))
+    n = sel.num_accepted
+    return Verdict(n, stats.argmax[n], sel.num_loose), sel.budget_left

@@ -1,18 +1,24 @@
 """Pieces every acceptance rule shares (SPEC.md, Notation and Entropy).
 
-`row_stats` is the one place where rules read the logits: a Pallas kernel will
-later replace its internals, so every rule routes its per-row statistics
-through it and keeps the rest of its arithmetic on K-sized vectors.
+`row_stats` is the one place where rules read the logits: it takes every
+per-row statistic from `specjax.pallas.gate_stats` (the fused kernel on GPU/TPU,
+its jnp reference on CPU; `SPECJAX_PALLAS` / `pallas.set_impl` choose), or from
+`pallas.gate_stats_sharded` inside `use_vocab_sharding`, so each rule keeps the
+rest of its arithmetic on K-sized vectors.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from specjax import pallas
 
 ENTROPIES = ("normalized", "top3")
 
@@ -34,46 +40,108 @@ class RowStats(NamedTuple):
     entropy: jax.Array  # f32[R], nats
     entropy_normalized: jax.Array  # f32[R], entropy / log V clamped to [0, 1]
     entropy_top3: jax.Array  # f32[R], nats over the min(3, V) largest p
-    logit_at: jax.Array  # f32[R], logits_RV[r, tokens_R[r]]
+    logit_at: jax.Array  # f32[R], logits_RV[r, tokens_R[r]]; NaN for a token outside [0, V)
 
 
-def _plogp_sum(z_RX, log_s_R):
-    """sum of p log p over the given entries, p = exp(z - log s), with 0 log 0 = 0."""
-    logp_RX = z_RX - log_s_R[:, None]
-    p_RX = jnp.exp(logp_RX)
-    return jnp.sum(jnp.where(p_RX > 0, p_RX * logp_RX, 0.0), axis=-1)
+@dataclasses.dataclass(frozen=True)
+class VocabSharding:
+    """Target logits sharded over the vocabulary on `mesh` axis (or axes) `vocab_axis`.
+
+    Each device then reduces its slice of V and the devices exchange 8 floats per
+    row (`pallas.gate_stats_sharded`); no device gathers whole rows of logits.
+    batch_axis: the mesh axis (or axes) the batch of rows is sharded on (e.g. "data"), passed
+    to the policy layer's vmaps as `spmd_axis_name` so rows stay on their devices;
+    it needs Auto mesh axes. With None (the default) the batch is replicated
+    across the other mesh axes for the statistics (correct, more traffic).
+    """
+
+    mesh: jax.sharding.Mesh
+    vocab_axis: str | tuple[str, ...] = "model"
+    batch_axis: str | tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        names = {}
+        for field in ("vocab_axis", "batch_axis"):
+            axes = getattr(self, field)
+            names[field] = set(axes if isinstance(axes, tuple) else () if axes is None else (axes,))
+            for axis in names[field]:
+                if axis not in self.mesh.axis_names:
+                    raise ValueError(f"VocabSharding: {field} {axis!r} is not an axis of the mesh "
+                                     f"{self.mesh.axis_names}")
+        if not names["vocab_axis"]:
+            raise ValueError("VocabSharding: vocab_axis names no mesh axis")
+        if shared := names["vocab_axis"] & names["batch_axis"]:
+            raise ValueError(f"VocabSharding: batch_axis and vocab_axis share {sorted(shared)}")
+        if names["batch_axis"] and jax.sharding.AxisType.Explicit in self.mesh.axis_types:
+            raise ValueError("VocabSharding: batch_axis needs a mesh with Auto axis types (jax.make_mesh(..., "
+                             "axis_types=(AxisType.Auto,) * n)); on Explicit axes leave batch_axis=None")
+
+
+_VOCAB_SHARDING: contextvars.ContextVar[VocabSharding | None] = contextvars.ContextVar(
+    "specjax_verify_vocab_sharding", default=None)
+
+
+@contextlib.contextmanager
+def use_vocab_sharding(sharding: VocabSharding | None):
+    """Within this context `row_stats`, so every rule, reads vocabulary-sharded logits
+    through `pallas.gate_stats_sharded` (V must divide over the vocab axis).
+
+        with verify.use_vocab_sharding(verify.VocabSharding(mesh, "model")):
+            verdict = jax.jit(jax.vmap(verify.fly))(drafts_BK, logits_BKV)
+
+    Like `pallas.set_impl`, it acts when a function is traced: enter it around the
+    first call of a jitted function (`Policy` does this for its `vocab_sharding`).
+    None: the plain, unsharded statistics.
+    """
+    if sharding is not None and not isinstance(sharding, VocabSharding):
+        raise ValueError(f"use_vocab_sharding: expected a VocabSharding or None, got {sharding!r}")
+    token = _VOCAB_SHARDING.set(sharding)
+    try:
+        yield sharding
+    finally:
+        _VOCAB_SHARDING.reset(token)
+
+
+def vmap(fn):
+    """jax.vmap over a batch of rows; inside `use_vocab_sharding`, rows sharded on its batch axis.
+
+    On a mesh with Explicit axes, vmap needs every mapped argument's leading axis
+    sharded alike: they are placed replicated there (the other axes keep theirs).
+    """
+    sharding = _VOCAB_SHARDING.get()
+    if sharding is None:
+        return jax.vmap(fn)
+    batched = jax.vmap(fn, spmd_axis_name=sharding.batch_axis)
+    if jax.sharding.AxisType.Explicit not in sharding.mesh.axis_types:
+        return batched
+
+    def place(a):
+        spec = tuple(jax.typeof(a).sharding.spec or ())
+        spec = spec + (None,) * (a.ndim - len(spec))
+        if not spec or spec[0] is None:
+            return a
+        return jax.reshard(a, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec[1:])))
+
+    return lambda *args: batched(*jax.tree.map(place, args))
 
 
 def row_stats(logits_RV: jax.Array, tokens_R: jax.Array) -> RowStats:
-    """Per-row statistics in float32. Rows need at least one finite logit.
+    """Per-row statistics in float32, from `specjax.pallas.gate_stats` (one read of the logits).
 
-    -inf logits are legal: they get p = 0 and take no part in the entropies.
+    logits_RV: float32 or bfloat16 (other floats are cast to float32); tokens_R: int[R].
+    Rows need at least one finite logit; -inf logits are legal: they get p = 0 and
+    take no part in the entropies. A token outside [0, V) gets logit_at = NaN, so a
+    rule never accepts it loosely; rules mask padding past num_draft themselves.
     """
-    L_RV = logits_RV.astype(jnp.float32)
-    V = L_RV.shape[1]
-    max_R = jnp.max(L_RV, axis=-1)
-    argmax_R = jnp.argmax(L_RV, axis=-1).astype(jnp.int32)  # first occurrence
-    # Shift by the max so exp never overflows; a -inf entry gives e = 0, and the
-    # where() below keeps 0 * -inf from turning into nan.
-    z_RV = L_RV - max_R[:, None]
-    e_RV = jnp.exp(z_RV)
-    s_R = jnp.sum(e_RV, axis=-1)
-    log_s_R = jnp.log(s_R)
-    lse_R = max_R + log_s_R
-    # H = log s - sum(e z) / s, with e = exp(z) and s = sum(e).
-    ez_R = jnp.sum(jnp.where(e_RV > 0, e_RV * z_RV, 0.0), axis=-1)
-    entropy_R = jnp.maximum(log_s_R - ez_R / s_R, 0.0)
-    if V > 1:
-        # A uniform row is exactly 1 (SPEC.md: theta = 1 is not greedy); the ratio
-        # alone can land one ulp below it when XLA's log differs from NumPy's.
-        uniform_R = jnp.min(L_RV, axis=-1) == max_R
-        entropy_norm_R = jnp.where(uniform_R, 1.0, jnp.clip(entropy_R / np.float32(np.log(V)), 0.0, 1.0))
+    if logits_RV.dtype not in (jnp.float32, jnp.bfloat16):
+        logits_RV = logits_RV.astype(jnp.float32)
+    tokens_R = tokens_R.astype(jnp.int32)
+    sharding = _VOCAB_SHARDING.get()
+    if sharding is None:
+        g = pallas.gate_stats(logits_RV, tokens_R)
     else:
-        entropy_norm_R = jnp.zeros_like(entropy_R)
-    top_RX, _ = jax.lax.top_k(z_RV, min(3, V))
-    entropy_top3_R = jnp.maximum(-_plogp_sum(top_RX, log_s_R), 0.0)
-    logit_at_R = jnp.take_along_axis(L_RV, tokens_R[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    return RowStats(max_R, argmax_R, lse_R, entropy_R, entropy_norm_R, entropy_top3_R, logit_at_R)
+        g = pallas.gate_stats_sharded(logits_RV, tokens_R, mesh=sharding.mesh, vocab_axis=sharding.vocab_axis)
+    return RowStats(g.max_logit, g.argmax, g.lse, g.entropy, g.entropy_normalized, g.entropy_top3, g.token_logit)
 
 
 def entropy_of(stats: RowStats, kind: str) -> jax.Array:
@@ -105,7 +173,12 @@ def check_temperature(fn: str, temperature) -> float:
 
 
 def check_inputs(fn: str, draft_tokens, target_logits, num_draft):
-    """Validates one sequence's inputs; returns (d_K int32, L_RV f32, k int32[])."""
+    """Validates one sequence's inputs; returns (d_K int32, L_RV, k int32[]).
+
+    L_RV keeps a float32 or bfloat16 dtype (row_stats reads it as stored; a kernel
+    then moves half the bytes for bf16); any other float becomes float32. Rule
+    arithmetic on L_RV itself casts to float32 (`f32`).
+    """
     d_K, L_RV = jnp.asarray(draft_tokens), jnp.asarray(target_logits)
     if d_K.ndim != 1 or not jnp.issubdtype(d_K.dtype, jnp.integer):
         raise ValueError(f"{fn}: draft_tokens must be an int array [K] for one sequence (jax.vmap for a batch), "
@@ -119,7 +192,13 @@ def check_inputs(fn: str, draft_tokens, target_logits, num_draft):
         raise ValueError(f"{fn}: target_logits has {L_RV.shape[0]} rows, expected K+1 = {K + 1} for K = {K} drafts")
     if L_RV.shape[1] == 0:
         raise ValueError(f"{fn}: target_logits has an empty vocabulary")
-    return d_K.astype(jnp.int32), L_RV.astype(jnp.float32), num_draft_scalar(fn, num_draft, K)
+    if L_RV.dtype not in (jnp.float32, jnp.bfloat16):
+        L_RV = L_RV.astype(jnp.float32)
+    return d_K.astype(jnp.int32), L_RV, num_draft_scalar(fn, num_draft, K)
+
+
+def f32(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.float32)
 
 
 def num_draft_scalar(fn: str, num_draft, K: int) -> jax.Array:

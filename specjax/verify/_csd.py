@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numbers
 
-import jax
 import jax.numpy as jnp
 
 from specjax.verify import _common, _csd_memory
@@ -89,7 +88,7 @@ def csd_batch(draft_tokens_BK, target_logits_BKV, memory: CSDMemory, *, min_coun
     def row(d_K, L_RV, k, mask_K):
         return _decide(fn, d_K, L_RV, memory, k, mask_K, min_count=min_count, tau=tau)
 
-    verdict, pairs_BK2, reached_BK = jax.vmap(row)(d_BK, L_BRV, k_B, mask_BK)
+    verdict, pairs_BK2, reached_BK = _common.vmap(row)(d_BK, L_BRV, k_B, mask_BK)
     if update:
         inc_BK = reached_BK & active_B[:, None]
         memory = _csd_memory.add(memory, pairs_BK2.reshape(B * K, 2), inc_BK.reshape(B * K))

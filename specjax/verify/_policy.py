@@ -11,6 +11,10 @@ or the batch-shared CSD memory. `info` has the same keys for every method
 (per-row num_loose, examined, spent) so the engine never special-cases rules.
 Inactive rows (active_B False) charge no ledger and teach the memory nothing.
 
+Vocabulary-sharded logits: `make_policy(..., vocab_sharding=VocabSharding(mesh,
+"model", batch_axis="data"))` makes `verify` read the logits with
+`pallas.gate_stats_sharded` (see `_common.use_vocab_sharding`).
+
 Composition: asd and csd accept FLy's entropy gate (options theta, entropy):
 a mismatch may then be loosely accepted only where h[i] >= theta, checked
 before ASD charges its regret or CSD reads its memory.
@@ -20,6 +24,7 @@ Adding a rule: one module with the rule, one `_Rule` entry in RULES.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 from typing import Any, Callable, NamedTuple
@@ -28,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.verify import _asd, _common, _csd, _csd_memory, _fly, _greedy, _sampling, _typical
-from specjax.verify._common import Verdict
+from specjax.verify._common import Verdict, VocabSharding
 from specjax.verify._csd_memory import CSDMemory
 
 
@@ -67,7 +72,7 @@ def _no_spend(verdict):
 
 
 def _greedy_step(opts, T, state, rnd):
-    verdict = jax.vmap(lambda d, L, k: _greedy.greedy(d, L, num_draft=k))(rnd.d_BK, rnd.L_BRV, rnd.k_B)
+    verdict = _common.vmap(lambda d, L, k: _greedy.greedy(d, L, num_draft=k))(rnd.d_BK, rnd.L_BRV, rnd.k_B)
     return verdict, state, _no_spend(verdict)
 
 
@@ -75,7 +80,7 @@ def _sampling_step(opts, T, state, rnd):
     def row(d, L, key, q, k):
         return _sampling.speculative_sampling(d, L, key, draft_probs=q, temperature=T, num_draft=k)
 
-    verdict = jax.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.q_BKV, rnd.k_B)
+    verdict = _common.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.q_BKV, rnd.k_B)
     return verdict, state, _no_spend(verdict)
 
 
@@ -83,7 +88,7 @@ def _typical_step(opts, T, state, rnd):
     def row(d, L, key, k):
         return _typical.typical(d, L, key, epsilon=opts["epsilon"], delta=opts["delta"], temperature=T, num_draft=k)
 
-    verdict = jax.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.k_B)
+    verdict = _common.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.k_B)
     return verdict, state, _no_spend(verdict)
 
 
@@ -92,7 +97,7 @@ def _fly_step(opts, T, state, rnd):
         return _fly.fly(d, L, theta=opts["theta"], window=opts["window"], entropy=opts["entropy"],
                         rule=opts["rule"], temperature=T, draft_probs=q, key=key, num_draft=k)
 
-    verdict = jax.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.q_BKV, rnd.k_B)
+    verdict = _common.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.q_BKV, rnd.k_B)
     return verdict, state, _no_spend(verdict)
 
 
@@ -105,7 +110,7 @@ def _entropy_gate_BK(opts, rnd):
         h_R = _common.entropy_of(_common.row_stats(L_RV, _common.padded(d_K)), opts["entropy"])
         return _fly.entropy_gate(h_R[:-1], opts["theta"])
 
-    return jax.vmap(row)(rnd.d_BK, rnd.L_BRV)
+    return _common.vmap(row)(rnd.d_BK, rnd.L_BRV)
 
 
 def _asd_step(opts, T, ledger_B, rnd):
@@ -113,7 +118,7 @@ def _asd_step(opts, T, ledger_B, rnd):
         return _asd.asd(d, L, budget_left, gate=opts["gate"], block_cap=opts["block_cap"], suffix=opts["suffix"],
                         num_draft=k, loose_mask=mask)
 
-    verdict, left_B = jax.vmap(row)(rnd.d_BK, rnd.L_BRV, ledger_B, rnd.k_B, _entropy_gate_BK(opts, rnd))
+    verdict, left_B = _common.vmap(row)(rnd.d_BK, rnd.L_BRV, ledger_B, rnd.k_B, _entropy_gate_BK(opts, rnd))
     left_B = jnp.where(rnd.active_B, left_B, ledger_B)
     return verdict, left_B, ledger_B - left_B
 
@@ -183,6 +188,7 @@ class Policy:
     k: int
     temperature: float
     options: tuple[tuple[str, Any], ...]  # every option of the method, defaults filled in
+    vocab_sharding: VocabSharding | None = None  # logits sharded over V on a mesh (None: not)
 
     @property
     def opts(self) -> dict[str, Any]:
@@ -221,7 +227,9 @@ class Policy:
         if self.temperature > 0:
             keys_B = jax.random.split(_common.check_key(fn, key), B)
         rnd = Round(d_BK, L_BRV, k_B, keys_B, active_B, q_BKV)
-        verdict, state, spent_B = RULES[self.method].step(self.opts, self.temperature, state, rnd)
+        sharded = self.vocab_sharding is not None  # else an enclosing use_vocab_sharding applies
+        with _common.use_vocab_sharding(self.vocab_sharding) if sharded else contextlib.nullcontext():
+            verdict, state, spent_B = RULES[self.method].step(self.opts, self.temperature, state, rnd)
         stopped_B = verdict.num_accepted < k_B  # the round ended on a rejected draft
         info = {
             "num_loose": jnp.where(active_B, verdict.num_loose, 0),
@@ -238,12 +246,15 @@ def _per_row(fn, name, value, B, dtype):
     return jnp.broadcast_to(x.astype(dtype), (B,))
 
 
-def make_policy(method: str, *, k: int, temperature: float = 0.0, **rule_options) -> Policy:
+def make_policy(method: str, *, k: int, temperature: float = 0.0, vocab_sharding: VocabSharding | None = None,
+                **rule_options) -> Policy:
     """Builds the Policy of `method` (greedy, exact, sampling, typical, fly, asd, csd).
 
     rule_options are the method's options (defaults filled in); an unknown
     option, or one of another method, is an error. At temperature 0,
     sampling and typical are greedy; asd and csd are temperature-0 rules.
+    vocab_sharding: a VocabSharding when the target logits are sharded over the
+    vocabulary on a mesh (the statistics are then reduced per shard), or None.
     """
     fn = "make_policy"
     if method not in METHODS:
@@ -273,4 +284,6 @@ def make_policy(method: str, *, k: int, temperature: float = 0.0, **rule_options
         except TypeError:
             raise ValueError(f"{fn}: option {option}={value!r} must be a static, hashable value "
                              "(a Python number or string)") from None
-    return Policy(name, int(k), temperature, tuple(sorted(opts.items())))
+    if vocab_sharding is not None and not isinstance(vocab_sharding, VocabSharding):
+        raise ValueError(f"{fn}: vocab_sharding must be a verify.VocabSharding or None, got {vocab_sharding!r}")
+    return Policy(name, int(k), temperature, tuple(sorted(opts.items())), vocab_sharding)
