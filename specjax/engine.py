@@ -13,8 +13,9 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from specjax import drafters, loop, verify
+from specjax import drafters, loop, sharding, verify
 from specjax.models.model import Model
 
 _PROMPT_BUCKET = 16  # prompt lengths are padded to a multiple of this to limit recompiles
@@ -39,6 +40,10 @@ class Engine:
     Beyond DESIGN.md's arguments: `eos_ids` overrides the tokens that end a row
     (default: the model's EOS; `()` generates exactly max_new_tokens, as benchmarks
     do), and `pld_match` ("earliest" or "latest") picks prompt lookup's occurrence.
+    mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a
+    `sharding.MeshConfig` (rules, attention "auto"/"replicate"/"pad", draft "shard"/"replicate");
+    params are placed once, caches and logits are constrained inside the program, and the
+    batch must divide over "data" (see `specjax.sharding`).
     """
 
     def __init__(self, target: Model, draft=None, method: str = "greedy", k: int = 8,
@@ -47,8 +52,9 @@ class Engine:
                  pld_match: str = "earliest", **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
-        if mesh is not None:
-            raise NotImplementedError("mesh= is not implemented yet: run on one device (mesh=None)")
+        mesh_config = None if mesh is None else sharding.MeshConfig.of(mesh)  # validated before compiling
+        if mesh_config is not None:  # attention="pad": zero heads appended so that they divide the model axis
+            target, draft = sharding.prepare_models(mesh_config, target, draft)
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
@@ -69,6 +75,9 @@ class Engine:
         self.eos_ids = tuple(int(e) for e in (target.eos_token_ids if eos_ids is None else eos_ids))
         self.drafter, self.draft_params = self._drafter(draft, pld_match)
         self.draft = draft
+        # mesh: NamedShardings for params, caches and logits (specjax.sharding); None: one device
+        self.layout = None if mesh_config is None else sharding.make_layout(
+            mesh_config, target.config, getattr(getattr(self.drafter, "model", self.drafter), "config", None))
         if self.drafter is None:
             if method not in ("greedy", "exact") or rule_options:
                 what = f"method {method!r}" if method not in ("greedy", "exact") else \
@@ -81,10 +90,22 @@ class Engine:
                                  "speculative sampling preserves the target's full distribution")
             rule = "sampling" if self.temperature > 0 and method in ("greedy", "exact") else method
             try:
-                self.policy = verify.make_policy(rule, k=self.k, temperature=self.temperature, **rule_options)
+                vocab = {} if self.layout is None or self.layout.vocab_sharding is None else \
+                    {"vocab_sharding": self.layout.vocab_sharding}
+                self.policy = verify.make_policy(rule, k=self.k, temperature=self.temperature, **vocab,
+                                                 **rule_options)
             except ValueError as e:
                 raise ValueError(str(e).replace("make_policy", "Engine")) from None
-        self._program = jax.jit(loop.generate_program, static_argnums=(0, 1, 2, 3))
+        if self.layout is None:
+            self._program = jax.jit(loop.generate_program, static_argnums=(0, 1, 2, 3))
+            self.placed_params = (target.params, self.draft_params)
+        else:  # outputs replicated: every process of a multi-process run reads them
+            self._program = jax.jit(loop.generate_program, static_argnums=(0, 1, 2, 3),
+                                    out_shardings=self.layout.replicated)
+            self.placed_params = (
+                sharding.place(target.params, self.layout.param_shardings(target.params)),
+                sharding.place(self.draft_params, self.layout.param_shardings(self.draft_params, "draft"))
+                if jax.tree.leaves(self.draft_params) else self.draft_params)
 
     def _drafter(self, draft, pld_match):
         t, k = self.target, self.k
@@ -140,12 +161,16 @@ class Engine:
         for i, p in enumerate(prompts):
             prompt_BT[i, : lengths[i]] = p
         s = loop.Settings(self.max_new_tokens, max_len, self.temperature, self.top_p, self.eos_ids,
-                          self.target.dtype)
+                          self.target.dtype, self.layout)
         static = (self.target.config, s, self.drafter, self.policy)
         # host arrays: jit transfers them; the PRNG key is made inside the program
-        args = (self.target.params, self.draft_params, prompt_BT, np.asarray(lengths, np.int32),
-                np.uint32(self.seed))
-        return static, args
+        inputs = (prompt_BT, np.asarray(lengths, np.int32), np.uint32(self.seed))
+        if self.layout is not None:  # rows split over "data" (a batch it does not divide is an error)
+            self.layout.check_batch(len(prompts))
+            rows = self.layout.spec("rows")
+            inputs = sharding.place(inputs, (self.layout.named(rows), self.layout.named(P(rows[0])),
+                                             self.layout.replicated))
+        return static, (*self.placed_params, *inputs)
 
     # -- public --------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]]) -> GenerateOutput:

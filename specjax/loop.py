@@ -37,6 +37,12 @@ class Settings:
     top_p: float
     eos_ids: tuple[int, ...]
     dtype: Any = jnp.float32
+    layout: Any = None  # sharding.Layout on a mesh; None: one device (no constraints at all)
+
+
+def _shard(s: Settings, kind: str, x):
+    """Pins `x` (an array, a KVCache, or a drafter state) to the layout's sharding of `kind`."""
+    return x if s.layout is None else s.layout.constrain(kind, x)
 
 
 class LoopState(NamedTuple):
@@ -110,13 +116,15 @@ def prefill(config, params, prompt_BT, prompt_len_B, key, s: Settings, K: int,
     """Runs the ragged, right-padded prompts through the target (and the drafter) and
     emits each row's first token, which belongs to no round."""
     B, T = prompt_BT.shape
-    cache = llama.init_cache(config, B, s.max_len, s.dtype)
+    cache = _shard(s, "cache", llama.init_cache(config, B, s.max_len, s.dtype))
     logits_B1V, cache = llama.forward_cached(config, params, prompt_BT, cache, dtype=s.dtype,
                                              select_BJ=(prompt_len_B - 1)[:, None])
+    logits_B1V = _shard(s, "logits", logits_B1V)
     key, sub = jax.random.split(key)
     first_B = sampling.sample(sub, logits_B1V[:, 0], s.temperature, s.top_p)
-    seq_BS = jnp.zeros((B, s.max_len), jnp.int32).at[:, :T].set(prompt_BT)
+    seq_BS = _shard(s, "rows", jnp.zeros((B, s.max_len), jnp.int32).at[:, :T].set(prompt_BT))
     draft_state = () if drafter is None else drafter.init(draft_params, prompt_BT, prompt_len_B, s.max_len)
+    draft_state = _shard(s, "draft_cache", draft_state)
     policy_state = () if policy is None else policy.init_state(B)
     state = LoopState(cache._replace(lengths=prompt_len_B), seq_BS, prompt_len_B, jnp.zeros((B,), jnp.int32),
                       jnp.zeros((B,), bool), key, draft_state, policy_state, init_stats(B, K))
@@ -128,6 +136,7 @@ def prefill(config, params, prompt_BT, prompt_len_B, key, s: Settings, K: int,
 def target_only_round(config, params, state: LoopState, s: Settings) -> LoopState:
     """Autoregressive baseline: score the pending token, emit the next one."""
     logits_B1V, cache = llama.forward_cached(config, params, pending(state)[:, None], state.cache, dtype=s.dtype)
+    logits_B1V, cache = _shard(s, "logits", logits_B1V), _shard(s, "cache", cache)
     key, sub = jax.random.split(state.key)
     next_B = sampling.sample(sub, logits_B1V[:, 0], s.temperature, s.top_p)
     ones = jnp.ones_like(next_B)
@@ -162,6 +171,7 @@ def speculative_round(config, params, drafter, draft_params, policy, state: Loop
     stats["num_loose_B"] += info["num_loose"]
     stats["examined_B"] += info["examined"]
     stats["spent_B"] += info["spent"]
+    draft_state = _shard(s, "draft_cache", draft_state)
     state = state._replace(cache=cache, key=key, draft_state=draft_state, policy_state=policy_state, stats=stats)
     return commit(state, block_BR, n_B + 1, n_B + 1, s)
 
@@ -186,13 +196,15 @@ def score(config, params, fed_BR, cache, width, s: Settings):
     def at(w):
         def run(fed_BR, cache):
             logits_BWV, cache = llama.forward_cached(config, params, fed_BR[:, :w], cache, dtype=s.dtype)
-            return jnp.pad(logits_BWV, ((0, 0), (0, R - w), (0, 0))), cache
+            return _shard(s, "logits", jnp.pad(logits_BWV, ((0, 0), (0, R - w), (0, 0)))), _shard(s, "cache", cache)
         return run
 
     if len(widths) == 1:
-        return at(R)(fed_BR, cache)
-    branch = jnp.searchsorted(jnp.asarray(widths), width)
-    return jax.lax.switch(branch, [at(w) for w in widths], fed_BR, cache)
+        logits_BRV, cache = at(R)(fed_BR, cache)
+    else:
+        branch = jnp.searchsorted(jnp.asarray(widths), width)
+        logits_BRV, cache = jax.lax.switch(branch, [at(w) for w in widths], fed_BR, cache)
+    return _shard(s, "logits", logits_BRV), _shard(s, "cache", cache)
 
 
 def generate_program(config, s: Settings, drafter, policy, params, draft_params,

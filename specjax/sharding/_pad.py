@@ -1,0 +1,94 @@
+"""Zero heads appended so that the head counts divide the model axis (`attention="pad"`).
+
+SmolLM2 has 9 query / 3 KV heads, which divide no model axis of 2, 4 or 8. Rather
+than replicating the attention (and the KV cache) on every device of the model
+axis, `pad_heads` appends KV heads with zero K/V weights, each with its group of
+Q = H / G query heads with zero Q weights and zero rows of the output projection:
+
+    G' = the smallest multiple of the model axis >= G,   H' = G' * Q
+
+A padded query head scores 0 against every key, attends uniformly to zero values
+and contributes exactly 0 through its zero `wo` rows, so the padded model computes
+the same function; only the summation order of the output projection changes (as
+any tensor-parallel contraction does). The grouping (query head h reads KV head
+h // Q) is kept because whole groups are appended after the real ones. The cost:
+G'/G times the attention work and cache, split over the model axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specjax.models import quant
+from specjax.models.config import Config
+from specjax.models.model import Model
+
+
+def padded_counts(config: Config, model_axis: int) -> tuple[int, int]:
+    """(H', G'): head counts padded so that both divide `model_axis`."""
+    G = config.num_kv_heads
+    G2 = -(-G // model_axis) * model_axis
+    return G2 * config.group_size, G2
+
+
+def _pad_axis(x, axis: int, new: int):
+    x = np.asarray(x)
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, new - x.shape[axis])
+    return np.pad(x, widths)
+
+
+def _pad_float(w, axis: int, new: int):
+    return _pad_axis(w, axis, new)
+
+
+def _pad_quant(w: quant.BlockQuant, head_axis: int, new_heads: int) -> quant.BlockQuant:
+    """Pads a block-quantized weight's head dimension (logical axis `head_axis` of `w.shape`)
+    with zero codes, scales and offsets (whole blocks: the dequantized weight is 0 there)."""
+    shape = list(w.shape)
+    n_in = w.codes.shape[-3] * w.codes.shape[-2]
+    split = next(i for i in range(1, len(shape)) if int(np.prod(shape[:i])) == n_in)
+    old = shape[head_axis]
+    shape[head_axis] = new_heads
+    if head_axis < split:  # heads among the inputs: whole blocks of the block axis
+        if head_axis != 0:
+            raise ValueError(f"cannot pad heads at input axis {head_axis} of a quantized weight {w.shape}")
+        per_head = n_in // old
+        bs = w.codes.shape[-2]
+        if per_head % bs:
+            raise ValueError(f"a head ({per_head} inputs) is not a whole number of {bs}-blocks: "
+                             "quantized heads cannot be padded; use attention='replicate'")
+        blocks = new_heads * per_head // bs
+        pad = lambda a: None if a is None else _pad_axis(a, a.ndim - 3, blocks)  # noqa: E731
+    else:  # heads among the outputs: the last axis, flattened (heads, head_dim)
+        n_out = w.codes.shape[-1]
+        if head_axis != split:
+            raise ValueError(f"cannot pad heads at output axis {head_axis} of a quantized weight {w.shape}")
+        outs = new_heads * (n_out // old)
+        pad = lambda a: None if a is None else _pad_axis(a, a.ndim - 1, outs)  # noqa: E731
+    return quant.BlockQuant(pad(w.codes), pad(w.scale), pad(w.offset), tuple(shape))
+
+
+# (parameter, index of the head axis in the per-layer logical shape, "q" or "kv")
+_HEAD_PARAMS = (("wq", 1, "q"), ("wk", 1, "kv"), ("wv", 1, "kv"), ("wo", 0, "q"),
+                ("bq", 0, "q"), ("bk", 0, "kv"), ("bv", 0, "kv"))
+
+
+def pad_heads(model: Model, model_axis: int) -> Model:
+    """`model` with zero heads appended so that H and G divide `model_axis` (itself if they do)."""
+    c = model.config
+    H2, G2 = padded_counts(c, model_axis)
+    if (H2, G2) == (c.num_heads, c.num_kv_heads):
+        return model
+    layers = dict(model.params["layers"])
+    for name, axis, kind in _HEAD_PARAMS:
+        if name not in layers:
+            continue
+        new = H2 if kind == "q" else G2
+        w = layers[name]
+        layers[name] = _pad_quant(w, axis, new) if isinstance(w, quant.BlockQuant) else _pad_float(w, axis + 1, new)
+    config = dataclasses.replace(c, num_heads=H2, num_kv_heads=G2)
+    return model.with_params({**model.params, "layers": layers}, config=config,
+                             name=f"{model.name}+pad{H2}/{G2}" if model.name else model.name)
