@@ -29,7 +29,10 @@ from absl import app, flags, logging
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
 _DRAFTS = flags.DEFINE_list("drafts", ["pld"], "Drafters: pld, self:N, a preset/path (draft model), "
                             "or pld+<preset/path> (FLy's multi-level).")
-_METHODS = flags.DEFINE_list("methods", ["exact", "fly", "asd", "csd", "typical"], "Verification methods.")
+_METHODS = flags.DEFINE_list("methods", ["exact", "fly", "fly-published", "asd", "csd", "typical"],
+                            "Verification methods; fly-published is fly with rule=reference, entropy=top3 "
+                            "(SPEC.md: the published code's behaviour).")
+PUBLISHED_FLY = {"rule": "reference", "entropy": "top3"}
 _K = flags.DEFINE_integer("k", 8, "Draft tokens per round.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
 _NUM = flags.DEFINE_integer("num_prompts", 16, "Prompts per dataset (the first N, in the dataset's order).")
@@ -120,7 +123,8 @@ def main(argv):
     for name in (_K, _NEW, _NUM):
         if name.value <= 0:
             raise app.UsageError(f"--{name.name} must be positive")
-    unknown = sorted(set(_METHODS.value) - {"exact", "greedy", "fly", "asd", "csd", "typical", "sampling"})
+    unknown = sorted(set(_METHODS.value) - {"exact", "greedy", "fly", "fly-published", "asd", "csd", "typical",
+                                            "sampling"})
     if unknown:
         raise app.UsageError(f"unknown method(s): {', '.join(unknown)}")
     options = {m: parse_options(f.value) for m, f in _OPTIONS.items()}
@@ -140,9 +144,12 @@ def main(argv):
         draft, label = resolve_draft(spec, target, models)
         for method in _METHODS.value:
             T = _TYPICAL_T.value if method == "typical" else 0.0
+            rule, opts = method, options.get(method, {})
+            if method == "fly-published":
+                rule, opts = "fly", {**options["fly"], **PUBLISHED_FLY}
             configs[(label, method)] = specjax.Engine(
-                target, draft=draft, method=method, k=_K.value, max_new_tokens=_NEW.value, temperature=T,
-                seed=_SEED.value, eos_ids=eos, **options.get(method, {}))
+                target, draft=draft, method=rule, k=_K.value, max_new_tokens=_NEW.value, temperature=T,
+                seed=_SEED.value, eos_ids=eos, **opts)
 
     peer = _make_peer(target, _DRAFTS.value) if _PEER.value else {}
     _log(f"compiling {1 + len(configs)} programs over {len(prompts)} prompts ...")

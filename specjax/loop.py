@@ -177,9 +177,12 @@ def speculative_round(config, params, drafter, draft_params, policy, state: Loop
 
 
 def verify_widths(K: int) -> tuple[int, ...]:
-    """Compiled widths of the target's verify forward: 1, 2, 3, 5, 9, ... up to K + 1."""
-    widths = [w for w in (1, 2, 3, 5, 9, 17, 33) if w < K + 1]
-    return tuple(widths) + (K + 1,)
+    """Compiled widths of the target's verify forward: 1, about half, and K + 1.
+
+    Each width is one more copy of the target forward in the program (compile time);
+    1 covers rounds with nothing proposed, the middle one short proposals.
+    """
+    return tuple(sorted({1, K // 2 + 1, K + 1}))
 
 
 def score(config, params, fed_BR, cache, width, s: Settings):

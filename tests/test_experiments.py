@@ -246,15 +246,22 @@ def test_helpers():
 
 
 def test_sweep_plots_recovery_when_measured(tmp_path):
-    sys.path.insert(0, str(EXP))
-    import sweep  # the only binary imported in this process (its flags are defined here once)
-
-    rows = [{"method": "target-only", "tau": 1.0, "speedup": 1.0, "divergence": 0.0, "recovery": 1.0}]
-    rows += [{"method": m, "tau": 1 + i + j, "speedup": 1 + (i + j) / 2, "divergence": j / 4, "recovery": 1 - j / 10}
-             for i, m in enumerate(["exact", "fly", "asd"]) for j in range(3)]
-    files = sweep.plot(rows, tmp_path, "test")
-    assert sorted(f.name for f in files) == ["speedup_vs_divergence.png", "speedup_vs_recovery.png",
-                                             "tau_vs_divergence.png", "tau_vs_recovery.png"]
+    # In a subprocess: importing a binary defines its absl flags in the global FLAGS, which
+    # would collide with another binary imported by a test sharing this (xdist) worker.
+    code = f"""
+import sys, pathlib
+sys.path.insert(0, {str(EXP)!r})
+import sweep
+rows = [{{"method": "target-only", "tau": 1.0, "speedup": 1.0, "divergence": 0.0, "recovery": 1.0}}]
+rows += [{{"method": m, "tau": 1 + i + j, "speedup": 1 + (i + j) / 2, "divergence": j / 4, "recovery": 1 - j / 10}}
+         for i, m in enumerate(["exact", "fly", "asd"]) for j in range(3)]
+files = sweep.plot(rows, pathlib.Path({str(tmp_path)!r}), "test")
+print(sorted(f.name for f in files))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(["speedup_vs_divergence.png", "speedup_vs_recovery.png",
+                                                       "tau_vs_divergence.png", "tau_vs_recovery.png"])
 
 
 def test_csd_memory_files_round_trip(tmp_path):
