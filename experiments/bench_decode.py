@@ -13,12 +13,12 @@ weight bytes per token x tokens/s / copy bandwidth measured in this run.
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import time
 
 from absl import app, flags, logging
+
+from _common import machine  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset (a GGUF that transformers can load).")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per request.")
@@ -27,18 +27,6 @@ _BATCH8 = flags.DEFINE_boolean("batch8", True, "Also measure batch 8.")
 _PROMPT = flags.DEFINE_string("prompt", "Write a Python function that returns the n-th prime number, "
                               "with a docstring and comments.", "User message (chat template applied).")
 _PEER = flags.DEFINE_boolean("transformers", True, "Run transformers beside specjax.")
-
-
-def machine() -> str:
-    import jax
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} on {jax.devices()[0].platform}"
 
 
 def copy_bandwidth_gbs(nbytes: int = 256 << 20, reps: int = 5) -> float:
@@ -58,9 +46,6 @@ def copy_bandwidth_gbs(nbytes: int = 256 << 20, reps: int = 5) -> float:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    import jax
-    import numpy as np
-
     import specjax
     from specjax import models
     from specjax.models import quant

@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import statistics
 import time
 
 from absl import app, flags, logging
+
+from _common import machine  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batch", ["1", "8", "64"], "batch sizes")
@@ -59,20 +60,6 @@ flags.DEFINE_bool("smoke", False, "tiny settings without a model (V 256, batch 1
 flags.DEFINE_integer("seed", 0, "random seed")
 
 PUBLISHED = {"fly": (0.45, 0.57, "ms per round"), "asd": (0.045, 0.083, "ms per token")}
-
-
-def machine() -> str:
-    import jax
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    dev = jax.devices()[0]
-    return (f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__}, "
-            f"{dev.platform} ({getattr(dev, 'device_kind', '?')}, {len(jax.devices())} device(s))")
 
 
 def load_average() -> str:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import os
-import platform
 import statistics
 import sys
 import time
 
 from absl import app, flags, logging
+
+from _common import machine  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
 _DRAFTS = flags.DEFINE_list("drafts", ["pld"], "Drafters: pld, self:N, a preset/path (draft model), "
@@ -93,18 +93,6 @@ def parse_options(text: str) -> dict:
     return options
 
 
-def machine() -> str:
-    import jax
-
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, jax {jax.__version__} on {jax.devices()[0].platform}"
-
-
 def resolve_draft(spec, target, models):
     if spec in ("pld",) or spec.startswith("self:"):
         return spec, spec
@@ -153,7 +141,10 @@ def main(argv):
 
     peer = _make_peer(target, _DRAFTS.value) if _PEER.value else {}
     _log(f"compiling {1 + len(configs)} programs over {len(prompts)} prompts ...")
-    for _, ids in prompts:  # compile every prompt-length bucket outside the timings
+    buckets = {}
+    for _, ids in prompts:  # compile each prompt-length bucket once, outside the timings
+        buckets.setdefault(-(-len(ids) // 16), ids)
+    for ids in buckets.values():
         for engine in [baseline, *configs.values()]:
             engine.generate([ids])
     _log("measuring ...")
