@@ -2,9 +2,6 @@
 bad input. (Tokens on meshes and the partitioned programs: test_sharding_engine.py.)"""
 
 import dataclasses
-import importlib.util
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,20 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from _distributed import load_distributed  # noqa: E402
+
 import specjax
 from specjax import sharding
 from specjax.models import Config, Model, quant
-
-
-def load_distributed():
-    """experiments/distributed.py (tiny models and the run function), imported once."""
-    name = "specjax_experiments_distributed"
-    if name not in sys.modules:
-        path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "distributed.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 _dist = load_distributed()

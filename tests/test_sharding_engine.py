@@ -6,13 +6,12 @@ a token differs, the test shows that the target's top-2 logit gap there, after t
 common prefix, is below 1e-4: a near tie. Any other difference is a bug.
 """
 
-import importlib.util
-import pathlib
-import sys
 
 import jax
 import numpy as np
 import pytest
+
+from _distributed import load_distributed  # noqa: E402
 
 import specjax
 from specjax import sharding
@@ -28,17 +27,6 @@ TINY_CASES = [(mesh, m, SQUARE[mesh][i]) for mesh in SQUARE for i, m in enumerat
 SMOL_CASES = [(mesh, m, {"pld": "model", "model": "pld"}[SQUARE[mesh][i]]) for mesh in SQUARE
               for i, m in enumerate(METHODS)]
 GAP = 1e-4
-
-
-def load_distributed():
-    """experiments/distributed.py (tiny models and the run function), imported once."""
-    name = "specjax_experiments_distributed"
-    if name not in sys.modules:
-        path = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "distributed.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def first_difference(a, b):

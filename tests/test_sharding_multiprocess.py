@@ -1,7 +1,6 @@
 """Two processes on localhost (jax.distributed, CPU collectives), four fake CPU devices each,
 one (2, 4) mesh: the same tokens as one process. Bounded: each process has a hard timeout."""
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -12,22 +11,14 @@ import sys
 import jax
 import pytest
 
+from _distributed import load_distributed  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "distributed.py"
 TIMEOUT_S = 240
 FLAGS = ["--model=tiny", "--draft=pld", "--method=fly", "--k=2", "--max_new_tokens=6", "--mesh=2,4", "--json"]
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
-
-
-def load_distributed():
-    """experiments/distributed.py (tiny models and the run function), imported once."""
-    name = "specjax_experiments_distributed"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def free_port() -> int:
