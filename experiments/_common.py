@@ -273,6 +273,35 @@ def define_calibration_flags() -> None:
                         "block_cap and suffix of method asd (explicit flags win).")
 
 
+def define_calibration_source_flags(num_prompts: int = 40, max_new_tokens: int = 128) -> None:
+    """The flags both calibration binaries share: target, draft, prompts, greedy decoding, cache."""
+    flags.DEFINE_string("model", models.DEFAULT_PRESET, f"Target model (preset, .gguf, HF directory, {RANDOM}[:SEED]).")
+    flags.DEFINE_string("draft", None, "Draft model (preset, .gguf, HF directory, random:tiny[:SEED]) or self:N. "
+                        "Required.")
+    flags.DEFINE_enum("dataset", "mtbench", list(DATASETS), "Prompt source (unless --prompts_file).")
+    flags.DEFINE_string("prompts_file", None, "Text file, one prompt per line (replaces --dataset).")
+    flags.DEFINE_integer("num_prompts", num_prompts, "Calibration prompts: the first N after --prompt_offset.")
+    flags.DEFINE_integer("prompt_offset", 0, "Skip this many prompts first.")
+    flags.DEFINE_boolean("chat", True, "Wrap prompts in the chat template.")
+    flags.DEFINE_integer("max_new_tokens", max_new_tokens, "Greedy continuation length per prompt (EOS may stop "
+                         "earlier).")
+    flags.DEFINE_integer("batch_size", 4, "Prompts per greedy-decoding call.")
+    flags.DEFINE_integer("bucket", 128, "Teacher-forcing buffers are padded to a multiple of this.")
+    flags.DEFINE_string("cache_dir", None, "Directory to keep the target's greedy sequences and both models' "
+                        "teacher-forced argmax/regret in, keyed by models, prompts and lengths, so that "
+                        "calibrate_csd and calibrate_asd on the same prompts decode them once.")
+    flags.mark_flags_as_required(["draft"])
+
+
+def validate_calibration_source_flags() -> None:
+    FLAGS = flags.FLAGS
+    for name in ("num_prompts", "max_new_tokens", "batch_size", "bucket"):
+        if FLAGS[name].value <= 0:
+            raise app.UsageError(f"--{name} must be positive, got {FLAGS[name].value}")
+    if FLAGS.prompt_offset < 0:
+        raise app.UsageError(f"--prompt_offset must be >= 0, got {FLAGS.prompt_offset}")
+
+
 def apply_calibration(method: str, options: dict[str, Any], vocab_size: int, k: int) -> dict[str, Any]:
     """Adds the --csd_memory / --asd_calibration settings to a method's options."""
     FLAGS = flags.FLAGS

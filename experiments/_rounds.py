@@ -9,6 +9,10 @@ logits there, can be read off the two forwards (`exact_rounds`).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import pathlib
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -106,3 +110,58 @@ def argmax_and_regret(target: models.Model, draft: models.Model, seq: Sequence[i
     t_Q = jnp.argmax(L_QV, axis=-1)
     regret_Q = jnp.max(L_QV, axis=-1) - jnp.take_along_axis(L_QV, d_Q[:, None], axis=-1)[:, 0]
     return np.asarray(t_Q), np.asarray(d_Q), np.asarray(regret_Q, np.float32)
+
+
+class Forced(NamedTuple):
+    """One calibration sequence: prompt + the target's greedy continuation, and per position q
+    (predicting token q + 1) the target's argmax, the draft's argmax and the target's regret of it."""
+    seq: np.ndarray  # int32[T]
+    t_Q: np.ndarray  # int32[T]
+    d_Q: np.ndarray  # int32[T]
+    regret_Q: np.ndarray  # float32[T]
+
+
+def _spec_identity(spec: str) -> str:
+    """A model spec plus, for a file or directory, its size and mtime (a replaced file is another model)."""
+    if os.path.exists(spec):
+        st = os.stat(spec)
+        return f"{os.path.abspath(spec)}:{st.st_size}:{st.st_mtime_ns}"
+    return spec
+
+
+def calibration_data(target: models.Model, draft: models.Model, ids: Sequence[Sequence[int]], *,
+                     target_spec: str, draft_spec: str, max_new_tokens: int, batch_size: int, bucket: int,
+                     cache_dir: str | None = None) -> list[Forced]:
+    """Greedy decoding of every prompt, then teacher forcing of both models (`argmax_and_regret`).
+
+    With `cache_dir`, the result is stored under a key of the models, prompts and lengths
+    and read back by the next run on the same inputs (calibrate_csd then calibrate_asd)."""
+    path = None
+    if cache_dir:
+        key = json.dumps({"target": _spec_identity(target_spec), "draft": _spec_identity(draft_spec),
+                          "ids": [list(map(int, p)) for p in ids], "max_new_tokens": max_new_tokens,
+                          "bucket": bucket, "version": 1})
+        path = pathlib.Path(cache_dir) / f"calibration-{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
+        if path.exists():
+            with np.load(path) as z:
+                lens = np.cumsum(z["lengths"])[:-1]
+                parts = [np.split(z[name], lens) for name in Forced._fields]
+            C.log(f"read {len(ids)} greedy sequences and their teacher forcing from {path}")
+            return [Forced(*row) for row in zip(*parts)]
+    C.log(f"{len(ids)} prompts: target greedy decoding ({max_new_tokens} new tokens) ...")
+    seqs = greedy_sequences(target, ids, max_new_tokens, batch_size)
+    C.log("teacher forcing both models ...")
+    out = []
+    for i, seq in enumerate(seqs):
+        t_Q, d_Q, regret_Q = argmax_and_regret(target, draft, seq, bucket)
+        out.append(Forced(np.asarray(seq, np.int32), t_Q.astype(np.int32), d_Q.astype(np.int32), regret_Q))
+        if (i + 1) % 10 == 0:
+            C.log(f"teacher forcing: {i + 1}/{len(seqs)} sequences")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, lengths=np.asarray([len(f.seq) for f in out]),
+                 **{name: np.concatenate([getattr(f, name) for f in out]) for name in Forced._fields})
+        os.replace(tmp, path)
+        C.log(f"cached in {path}")
+    return out

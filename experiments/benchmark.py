@@ -46,6 +46,9 @@ _PEER = flags.DEFINE_boolean("peer", False, "Run transformers beside specjax (gr
                              "assisted generation for model drafts).")
 _PLD_TOKENS = flags.DEFINE_integer("peer_pld_tokens", 10, "transformers' prompt_lookup_num_tokens.")
 _CSV = flags.DEFINE_string("csv", "benchmark.csv", "Where to write the per-configuration rows.")
+_MESH = flags.DEFINE_string("mesh", "", "DATA,MODEL: run every engine on a jax.make_mesh((DATA, MODEL), "
+                            "('data', 'model')) mesh (batch 1: DATA must be 1); empty: one device. The "
+                            "per-device bytes of parameters and caches are printed either way.")
 _OPTIONS = {m: flags.DEFINE_string(m, "", f"Options of {m} as key=value,key=value (e.g. theta=0.3).")
             for m in ("fly", "asd", "csd", "typical")}
 
@@ -116,6 +119,7 @@ def main(argv):
     if unknown:
         raise app.UsageError(f"unknown method(s): {', '.join(unknown)}")
     options = {m: parse_options(f.value) for m, f in _OPTIONS.items()}
+    mesh = make_mesh(_MESH.value)
     started = time.perf_counter()
     target = models.load(_MODEL.value)
     tok = target.tokenizer
@@ -126,7 +130,7 @@ def main(argv):
         else:
             prompts += [(dataset, tok.chat_prompt_ids(m)) for m in data.messages(dataset, _NUM.value)]
     eos = None if _EOS.value else ()
-    baseline = specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=eos)
+    baseline = specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=eos, mesh=mesh)
     configs = {}
     for spec in _DRAFTS.value:
         draft, label = resolve_draft(spec, target, models)
@@ -137,7 +141,7 @@ def main(argv):
                 rule, opts = "fly", {**options["fly"], **PUBLISHED_FLY}
             configs[(label, method)] = specjax.Engine(
                 target, draft=draft, method=rule, k=_K.value, max_new_tokens=_NEW.value, temperature=T,
-                seed=_SEED.value, eos_ids=eos, **opts)
+                seed=_SEED.value, eos_ids=eos, mesh=mesh, **opts)
 
     peer = _make_peer(target, _DRAFTS.value) if _PEER.value else {}
     _log(f"compiling {1 + len(configs)} programs over {len(prompts)} prompts ...")
@@ -190,6 +194,7 @@ def main(argv):
           f"max_new_tokens={_NEW.value}; stop_at_eos={_EOS.value}; batch 1; options {options}")
     print(f"baseline drift (second/first run of each prompt): median {statistics.median(drift):.3f}, "
           f"range {min(drift):.3f}-{max(drift):.3f}; wall time {time.perf_counter() - started:.0f}s\n")
+    print_memory(baseline, configs, max(len(ids) for _, ids in prompts) + _NEW.value + _K.value + 1)
     print("| engine | drafter | method | tokens/s | speedup vs specjax target-only | tau | accepted/round "
           "| loose share | divergence |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -202,6 +207,45 @@ def main(argv):
             writer.writeheader()
             writer.writerows(rows)
         print(f"\nwrote {_CSV.value}")
+
+
+def make_mesh(text: str):
+    """"DATA,MODEL" -> a ("data", "model") mesh, or None for one device."""
+    if not text:
+        return None
+    import jax
+
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 2 or min(shape) < 1:
+        raise app.UsageError(f"--mesh must be DATA,MODEL (two positive integers), got {text!r}")
+    if shape[0] != 1:
+        raise app.UsageError(f"--mesh {text}: the benchmark runs batch 1, so the data axis must be 1")
+    if shape[0] * shape[1] > len(jax.devices()):
+        raise app.UsageError(f"--mesh {text} needs {shape[0] * shape[1]} devices, {len(jax.devices())} present "
+                             "(on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    return jax.make_mesh(shape, ("data", "model"))
+
+
+def print_memory(baseline, configs, max_len: int):
+    """Bytes per device of parameters and KV caches, once per drafter (the method changes neither)."""
+    from specjax import sharding
+
+    engines = {"none": baseline}
+    for (label, _), engine in configs.items():
+        engines.setdefault(label, engine)
+    print(f"memory per device (MB), batch 1, cache length {max_len}"
+          f"{'; mesh ' + _MESH.value if _MESH.value else '; one device'}:")
+    print("| drafter | target params | draft params | target cache | draft cache | total |")
+    print("|---|---|---|---|---|---|")
+    for label, engine in engines.items():
+        r = sharding.memory_report(engine, 1, max_len)
+        print(f"| {label} | " + " | ".join(f"{r.get(k, 0) / 2**20:.1f}" for k in
+                                          ("target_params", "draft_params", "target_cache", "draft_cache", "total"))
+              + " |")
+    print()
 
 
 def _make_peer(target, drafts):

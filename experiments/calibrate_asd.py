@@ -34,7 +34,6 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from specjax import models
 
 try:
     from experiments import _common as C, _rounds as R
@@ -42,53 +41,40 @@ except ImportError:
     import _common as C
     import _rounds as R
 
-_MODEL = flags.DEFINE_string("model", models.DEFAULT_PRESET, "Target model (preset, .gguf, HF directory, "
-                             f"{C.RANDOM}[:SEED]).")
-_DRAFT = flags.DEFINE_string("draft", None, "Draft model (preset, .gguf, HF directory, random:tiny[:SEED]) or "
-                             "self:N. Required.")
-_DATASET = flags.DEFINE_enum("dataset", "mtbench", list(C.DATASETS), "Prompt source (unless --prompts_file).")
-_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "Text file, one prompt per line (replaces --dataset).")
-_NUM = flags.DEFINE_integer("num_prompts", 40, "Calibration prompts: the first N after --prompt_offset.")
-_OFFSET = flags.DEFINE_integer("prompt_offset", 0, "Skip this many prompts first.")
-_CHAT = flags.DEFINE_boolean("chat", True, "Wrap prompts in the chat template.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens decoded per prompt (EOS may stop earlier).")
-_BATCH = flags.DEFINE_integer("batch_size", 4, "Prompts per greedy-decoding call.")
+C.define_calibration_source_flags(num_prompts=40, max_new_tokens=128)
 _K = flags.DEFINE_integer("k", 8, "Draft tokens per block K (calibrate at the K you will run).")
 _PERCENTILE = flags.DEFINE_float("percentile", 25.0, "Percentile of the values for budget and gate "
                                  "(25 as published).")
-_BUCKET = flags.DEFINE_integer("bucket", 128, "Teacher-forcing buffers are padded to a multiple of this.")
 _OUTPUT = flags.DEFINE_string("output", None, "JSON file to write. Required.")
 _CROSSCHECK = flags.DEFINE_boolean("crosscheck", False, "Also run exact speculative decoding in the engine "
                                    "and compare its rounds with the reconstruction.")
-flags.mark_flags_as_required(["draft", "output"])
+flags.mark_flags_as_required(["output"])
+FLAGS = flags.FLAGS
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    for name in ("num_prompts", "max_new_tokens", "batch_size", "k", "bucket"):
-        if flags.FLAGS[name].value <= 0:
-            raise app.UsageError(f"--{name} must be positive, got {flags.FLAGS[name].value}")
+    C.validate_calibration_source_flags()
+    if _K.value <= 0:
+        raise app.UsageError(f"--k must be positive, got {_K.value}")
     if not 0 <= _PERCENTILE.value <= 100:
         raise app.UsageError(f"--percentile must be in [0, 100], got {_PERCENTILE.value}")
-    if _OFFSET.value < 0:
-        raise app.UsageError("--prompt_offset must be >= 0")
     logging.set_verbosity(logging.WARNING)
     start = time.perf_counter()
-    dataset = None if _PROMPTS_FILE.value else _DATASET.value
-    texts = C.read_prompts(None, _PROMPTS_FILE.value, dataset, _NUM.value, _OFFSET.value)
+    dataset = None if FLAGS.prompts_file else FLAGS.dataset
+    texts = C.read_prompts(None, FLAGS.prompts_file, dataset, FLAGS.num_prompts, FLAGS.prompt_offset)
     if not texts:
         raise app.UsageError("no calibration prompts (check --prompt_offset / --num_prompts)")
-    target = C.load_model(_MODEL.value)
-    draft = C.draft_model(_DRAFT.value, target)
+    target = C.load_model(FLAGS.model)
+    draft = C.draft_model(FLAGS.draft, target)
     K = _K.value
-    ids = C.encode(target.tokenizer, texts, _CHAT.value)
-    C.log(f"calibrating on {len(ids)} prompts: target greedy decoding ({_MAX_NEW.value} new tokens) ...")
-    seqs = R.greedy_sequences(target, ids, _MAX_NEW.value, _BATCH.value)
-    C.log("teacher forcing both models ...")
+    ids = C.encode(target.tokenizer, texts, FLAGS.chat)
+    forced = R.calibration_data(target, draft, ids, target_spec=FLAGS.model, draft_spec=FLAGS.draft,
+                                max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size,
+                                bucket=FLAGS.bucket, cache_dir=FLAGS.cache_dir)
     values, rounds_per_request, cut, mismatch_rounds, zero_regret = [], [], 0, 0, 0
-    for i, (seq, p) in enumerate(zip(seqs, ids)):
-        t_Q, d_Q, regret_Q = R.argmax_and_regret(target, draft, seq, _BUCKET.value)
+    for (seq, t_Q, d_Q, regret_Q), p in zip(forced, ids):
         end = R.consistent_end(t_Q, seq, len(p))
         cut += end < len(seq) - 1
         v, rounds = R.asd_block_values(t_Q, d_Q, regret_Q, len(p), end, K)
@@ -96,8 +82,6 @@ def main(argv):
         rounds_per_request.append(len(rounds) if end == len(seq) - 1 else None)
         mismatch_rounds += sum(r.mismatch for r in rounds)
         zero_regret += sum(r.mismatch for r in rounds) - len(v)
-        if (i + 1) % 10 == 0:
-            C.log(f"teacher forcing: {i + 1}/{len(seqs)} sequences")
     if not values:
         raise app.UsageError("no block had a mismatch with positive regret: nothing to calibrate on "
                              "(more prompts or a longer --max_new_tokens)")
@@ -110,16 +94,16 @@ def main(argv):
                     "mean": float(v.mean()), "max": float(v.max())},
         "rounds": int(sum(r for r in rounds_per_request if r is not None)),
         "mismatch_rounds": int(mismatch_rounds), "zero_regret_mismatches": int(zero_regret),
-        "sequences_cut_at_a_near_tie": int(cut), "target": _MODEL.value, "draft": _DRAFT.value,
-        "dataset": dataset, "prompts_file": _PROMPTS_FILE.value, "prompt_offset": _OFFSET.value,
-        "num_prompts": len(texts), "chat": _CHAT.value, "max_new_tokens": _MAX_NEW.value,
-        "generated_tokens": int(sum(len(s) - len(p) for s, p in zip(seqs, ids))),
+        "sequences_cut_at_a_near_tie": int(cut), "target": FLAGS.model, "draft": FLAGS.draft,
+        "dataset": dataset, "prompts_file": FLAGS.prompts_file, "prompt_offset": FLAGS.prompt_offset,
+        "num_prompts": len(texts), "chat": FLAGS.chat, "max_new_tokens": FLAGS.max_new_tokens,
+        "generated_tokens": int(sum(len(f.seq) - len(p) for f, p in zip(forced, ids))),
         "procedure": "exact speculative decoding; per block, first mismatch b < K with r_b > 0 gives "
                      "r_b / ((K - b) / K); budget = gate = percentile (linear); block_cap = 1; suffix fraction",
         "seconds": time.perf_counter() - start, "machine": C.machine(),
     }
     if _CROSSCHECK.value:
-        result["crosscheck"] = crosscheck(target, ids, seqs, rounds_per_request)
+        result["crosscheck"] = crosscheck(target, ids, [f.seq.tolist() for f in forced], rounds_per_request)
     result["values"] = [float(x) for x in v]
     with open(_OUTPUT.value, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
@@ -136,7 +120,8 @@ def main(argv):
 
 
 def crosscheck(target, ids, seqs, rounds_per_request) -> dict:
-    engine = C.make_engine(target, C.resolve_draft(_DRAFT.value, _MODEL.value), "greedy", _K.value, _MAX_NEW.value)
+    engine = C.make_engine(target, C.resolve_draft(FLAGS.draft, FLAGS.model), "greedy", _K.value,
+                           FLAGS.max_new_tokens)
     out = C.run(engine, ids, 1, label="crosscheck: ", progress=True)
     same_tokens = sum(list(p) + t == s for p, t, s in zip(ids, out.tokens, seqs))
     pairs = [(a, b) for a, b in zip(rounds_per_request, out.stats["rounds_per_request"]) if a is not None]

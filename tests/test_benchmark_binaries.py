@@ -20,3 +20,34 @@ def test_benchmark_rejects_an_unknown_method():
     out = subprocess.run([sys.executable, str(EXP / "benchmark.py"), "--methods=exact,nope", "--num_prompts=1"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "unknown method(s): nope" in out.stderr
+
+
+@pytest.mark.parametrize("mesh, message", [("2,1", "the data axis must be 1"), ("4", "must be DATA,MODEL"),
+                                           ("1,64", "needs 64 devices")])
+def test_benchmark_rejects_a_bad_mesh(mesh, message):
+    out = subprocess.run([sys.executable, str(EXP / "benchmark.py"), f"--mesh={mesh}", "--num_prompts=1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and message in out.stderr
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_benchmark_on_a_mesh_prints_memory_per_device(tmp_path):
+    """SmolLM2 on a (1, 2) mesh of fake CPU devices: the table, and the bytes per device of the
+    parameters halved (MLP and vocabulary split over "model"; 9 heads stay replicated)."""
+    env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    common = ["--num_prompts=1", "--max_new_tokens=4", "--methods=exact", "--drafts=pld"]
+
+    def memory_rows(extra):
+        out = subprocess.run([sys.executable, str(EXP / "benchmark.py"), *common, *extra,
+                              f"--csv={tmp_path / 'b.csv'}"], capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "| specjax | pld | exact |" in out.stdout
+        rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| none |")]
+        assert len(rows) == 1, out.stdout
+        return [float(x) for x in rows[0][1:]]  # target params, draft params, target cache, draft cache, total
+
+    one, two = memory_rows([]), memory_rows(["--mesh=1,2"])
+    assert one[1] == two[1] == 0.0  # prompt lookup has no parameters
+    assert 0.5 * one[0] < two[0] < 0.8 * one[0]  # attention (a fifth of the bytes) replicated
+    assert two[2] == one[2] > 0  # 3 kv heads do not divide 2: the cache is replicated

@@ -175,6 +175,23 @@ def test_calibrate_asd_follows_the_published_procedure(env, tmp_path):
     assert "tau:" in out
 
 
+def test_calibrations_share_their_greedy_decoding_through_the_cache(env, tmp_path):
+    """calibrate_csd fills --cache_dir; calibrate_asd on the same inputs reads it and
+    calibrates exactly as without the cache; other prompts miss the cache."""
+    source = [*TINY, "--draft", "self:1", "--num_prompts", "2", "--max_new_tokens", "8"]
+    cache = tmp_path / "cache"
+    run("calibrate_csd", [*source, "--output", str(tmp_path / "mem"), "--cache_dir", str(cache)], env)
+    assert len(list(cache.glob("calibration-*.npz"))) == 1
+    _, _, err = run("calibrate_asd", [*source, "--output", str(tmp_path / "a.json"), "--cache_dir", str(cache)], env)
+    assert "from " + str(cache) in err and "greedy decoding" not in err
+    run("calibrate_asd", [*source, "--output", str(tmp_path / "b.json")], env)
+    cached, fresh = (json.loads((tmp_path / n).read_text()) for n in ("a.json", "b.json"))
+    assert cached["values"] == fresh["values"] and cached["budget"] == fresh["budget"]
+    _, _, err = run("calibrate_asd", [*source, "--prompt_offset", "1", "--output", str(tmp_path / "c.json"),
+                                      "--cache_dir", str(cache)], env)
+    assert "greedy decoding" in err and len(list(cache.glob("calibration-*.npz"))) == 2
+
+
 def test_sweep_writes_csv_and_plots(env, tmp_path):
     import csv
 
