@@ -361,18 +361,12 @@ def make_engine(target: models.Model, draft, method: str, k: int, max_new_tokens
 
 def save_csd_memory(path: str | os.PathLike, pairs_P2: np.ndarray, counts_P: np.ndarray, capacity: int,
                     metadata: dict[str, Any]) -> pathlib.Path:
-    """Saves (pairs, counts, capacity) with orbax under path/memory, and path/calibration.json."""
-    import orbax.checkpoint as ocp
-
+    """Saves the memory of (pairs, counts, capacity) under path/memory (`verify.save_csd_memory`)
+    and the calibration's description in path/calibration.json."""
     path = pathlib.Path(path).resolve()
     path.mkdir(parents=True, exist_ok=True)
-    pairs_P2, counts_P = np.asarray(pairs_P2, np.int32).reshape(-1, 2), np.asarray(counts_P, np.int32)
-    if len(pairs_P2) == 0:  # orbax saves no zero-size array; a zero count stores nothing
-        pairs_P2, counts_P = np.zeros((1, 2), np.int32), np.zeros((1,), np.int32)
-    tree = {"pairs": pairs_P2, "counts": counts_P, "capacity": np.asarray(capacity, np.int32)}
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path / "memory", tree, force=True)
-    ckptr.wait_until_finished()
+    verify.save_csd_memory(path / "memory", verify.csd_memory(capacity, np.asarray(pairs_P2, np.int32).reshape(-1, 2),
+                                                              np.asarray(counts_P, np.int32)))
     (path / "calibration.json").write_text(json.dumps(metadata, indent=1))
     return path
 
@@ -383,20 +377,12 @@ def load_csd_memory(path: str | os.PathLike, vocab_size: int | None = None,
 
     capacity: None keeps the saved capacity. Token ids past vocab_size are an error.
     """
-    import orbax.checkpoint as ocp
-
     path = pathlib.Path(path).resolve()
     if not (path / "memory").is_dir():
         raise app.UsageError(f"--csd_memory {path}: no saved memory there (expected {path}/memory, "
                              "written by experiments/calibrate_csd.py)")
-    tree = ocp.StandardCheckpointer().restore(path / "memory")
-    pairs, counts = np.asarray(tree["pairs"], np.int32), np.asarray(tree["counts"], np.int32)
-    capacity = int(tree["capacity"]) if capacity is None else capacity
-    if vocab_size is not None and len(pairs) and pairs.max() >= vocab_size:
-        raise app.UsageError(f"--csd_memory {path}: token id {pairs.max()} is outside the target's "
-                             f"vocabulary of {vocab_size}; it was calibrated for another tokenizer")
     try:
-        return verify.csd_memory(capacity, pairs, counts)
+        return verify.load_csd_memory(path / "memory", capacity, vocab_size)
     except ValueError as e:
         raise app.UsageError(f"--csd_memory {path}: {e}") from None
 

@@ -71,6 +71,8 @@ _TIMEOUT = flags.DEFINE_float("exec_timeout", 10.0, "Seconds per HumanEval progr
 _SELF_CHECK = flags.DEFINE_boolean("self_check", True, "Check that the sandbox passes canonical solutions and "
                                    "fails a wrong one before trusting it.")
 _OUT = flags.DEFINE_string("output_dir", None, "Directory for audit.md, audit.csv and audit.json. Required.")
+_PROMPT_BUCKET = flags.DEFINE_integer("prompt_bucket", 128, "Prompts are padded to a multiple of this many "
+                                      "tokens: one compiled program per method and bucket, not per length.")
 C.define_calibration_flags()
 flags.adopt_module_key_flags(C)  # --help lists the flags defined in _common
 flags.mark_flag_as_required("output_dir")
@@ -88,7 +90,8 @@ class Method:
         self.spec = spec
         if spec == "target-only":
             self.method, self.draft, self.k, self.options = "greedy", "none", None, {}
-            self.engine = C.make_engine(target, None, "greedy", 1, max_new_tokens)
+            self.engine = C.make_engine(target, None, "greedy", 1, max_new_tokens,
+                                        prompt_bucket=_PROMPT_BUCKET.value)
         else:
             method, opts = C.parse_method_spec(spec)
             self.draft = opts.pop("draft", _DRAFT.value)
@@ -100,7 +103,8 @@ class Method:
             draft = C.resolve_draft(self.draft, _MODEL.value)
             if draft is None:
                 raise app.UsageError(f"method spec {spec!r}: needs a drafter (--draft or draft=)")
-            self.engine = C.make_engine(target, draft, method, self.k, max_new_tokens, **self.options)
+            self.engine = C.make_engine(target, draft, method, self.k, max_new_tokens,
+                                        prompt_bucket=_PROMPT_BUCKET.value, **self.options)
         self.records: list[dict] = []
 
     def describe(self) -> dict:
@@ -173,7 +177,7 @@ def main(argv):
     for name in ("mtbench_questions", "humaneval_problems"):
         if flags.FLAGS[name].value < 0:
             raise app.UsageError(f"--{name} must be >= 0")
-    for name in ("k", "mtbench_max_new_tokens", "humaneval_max_new_tokens", "exec_timeout"):
+    for name in ("k", "mtbench_max_new_tokens", "humaneval_max_new_tokens", "exec_timeout", "prompt_bucket"):
         if flags.FLAGS[name].value <= 0:
             raise app.UsageError(f"--{name} must be positive")
     if _HE_N.value > 164:

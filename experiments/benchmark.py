@@ -46,6 +46,9 @@ _PEER = flags.DEFINE_boolean("peer", False, "Run transformers beside specjax (gr
                              "assisted generation for model drafts).")
 _PLD_TOKENS = flags.DEFINE_integer("peer_pld_tokens", 10, "transformers' prompt_lookup_num_tokens.")
 _CSV = flags.DEFINE_string("csv", "benchmark.csv", "Where to write the per-configuration rows.")
+_BUCKET = flags.DEFINE_integer("prompt_bucket", 64, "Prompts are padded to a multiple of this many tokens "
+                               "(Engine's prompt_bucket): one program per engine and bucket, compiled before "
+                               "the timings.")
 _MESH = flags.DEFINE_string("mesh", "", "DATA,MODEL: run every engine on a jax.make_mesh((DATA, MODEL), "
                             "('data', 'model')) mesh (batch 1: DATA must be 1); empty: one device. The "
                             "per-device bytes of parameters and caches are printed either way.")
@@ -111,7 +114,7 @@ def main(argv):
     import specjax
     from specjax import data, models
 
-    for name in (_K, _NEW, _NUM):
+    for name in (_K, _NEW, _NUM, _BUCKET):
         if name.value <= 0:
             raise app.UsageError(f"--{name.name} must be positive")
     unknown = sorted(set(_METHODS.value) - {"exact", "greedy", "fly", "fly-published", "asd", "csd", "typical",
@@ -130,7 +133,8 @@ def main(argv):
         else:
             prompts += [(dataset, tok.chat_prompt_ids(m)) for m in data.messages(dataset, _NUM.value)]
     eos = None if _EOS.value else ()
-    baseline = specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=eos, mesh=mesh)
+    baseline = specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=eos, mesh=mesh,
+                              prompt_bucket=_BUCKET.value)
     configs = {}
     for spec in _DRAFTS.value:
         draft, label = resolve_draft(spec, target, models)
@@ -141,13 +145,13 @@ def main(argv):
                 rule, opts = "fly", {**options["fly"], **PUBLISHED_FLY}
             configs[(label, method)] = specjax.Engine(
                 target, draft=draft, method=rule, k=_K.value, max_new_tokens=_NEW.value, temperature=T,
-                seed=_SEED.value, eos_ids=eos, mesh=mesh, **opts)
+                seed=_SEED.value, eos_ids=eos, mesh=mesh, prompt_bucket=_BUCKET.value, **opts)
 
     peer = _make_peer(target, _DRAFTS.value) if _PEER.value else {}
     _log(f"compiling {1 + len(configs)} programs over {len(prompts)} prompts ...")
     buckets = {}
     for _, ids in prompts:  # compile each prompt-length bucket once, outside the timings
-        buckets.setdefault(-(-len(ids) // 16), ids)
+        buckets.setdefault(-(-len(ids) // _BUCKET.value), ids)
     for ids in buckets.values():
         for engine in [baseline, *configs.values()]:
             engine.generate([ids])

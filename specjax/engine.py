@@ -27,6 +27,9 @@ DRAFTS = ("None", "a Model", "'pld'", "'self:N'", "('pld', Model)")
 class GenerateOutput:
     tokens: list[list[int]]  # per prompt: the new tokens only, up to and including EOS
     stats: dict[str, Any]
+    # the rule's final state: the CSD memory (with what this call taught it), the ASD
+    # ledgers f32[B], or (); `generate(..., rule_state=out.rule_state)` carries it on
+    rule_state: Any = ()
 
 
 class Engine:
@@ -39,7 +42,10 @@ class Engine:
     at temperature > 0, greedy/exact verify by lossless speculative sampling.
     Beyond DESIGN.md's arguments: `eos_ids` overrides the tokens that end a row
     (default: the model's EOS; `()` generates exactly max_new_tokens, as benchmarks
-    do), and `pld_match` ("earliest" or "latest") picks prompt lookup's occurrence.
+    do), `pld_match` ("earliest" or "latest") picks prompt lookup's occurrence, and
+    `prompt_bucket` is the multiple the longest prompt is padded to (the program's shapes
+    follow from it: a larger bucket compiles fewer programs for prompts of many lengths,
+    at the cost of a wider prefill).
     mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a
     `sharding.MeshConfig` (rules, attention "auto"/"replicate"/"pad", draft "shard"/"replicate");
     params are placed once, caches and logits are constrained inside the program, and the
@@ -49,7 +55,7 @@ class Engine:
     def __init__(self, target: Model, draft=None, method: str = "greedy", k: int = 8,
                  max_new_tokens: int = 128, max_len: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, mesh=None, eos_ids: Sequence[int] | None = None,
-                 pld_match: str = "earliest", **rule_options):
+                 pld_match: str = "earliest", prompt_bucket: int = _PROMPT_BUCKET, **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
         mesh_config = None if mesh is None else sharding.MeshConfig.of(mesh)  # validated before compiling
@@ -65,11 +71,13 @@ class Engine:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if max_len is not None and max_len <= 1:
             raise ValueError(f"max_len must be > 1, got {max_len}")
+        if not isinstance(prompt_bucket, (int, np.integer)) or isinstance(prompt_bucket, bool) or prompt_bucket < 1:
+            raise ValueError(f"prompt_bucket must be a positive integer, got {prompt_bucket!r}")
         if pld_match not in ("earliest", "latest"):
             raise ValueError(f"pld_match must be 'earliest' or 'latest', got {pld_match!r}")
         if method not in verify.METHODS:
             raise ValueError(f"unknown method {method!r} (supported: {', '.join(verify.METHODS)})")
-        self.target, self.method, self.k = target, method, int(k)
+        self.target, self.method, self.k, self.prompt_bucket = target, method, int(k), int(prompt_bucket)
         self.max_new_tokens, self.max_len = int(max_new_tokens), max_len
         self.temperature, self.top_p, self.seed, self.mesh = float(temperature), float(top_p), seed, mesh
         self.eos_ids = tuple(int(e) for e in (target.eos_token_ids if eos_ids is None else eos_ids))
@@ -132,7 +140,7 @@ class Engine:
         raise ValueError(f"unknown draft {draft!r:.80}; expected one of {', '.join(DRAFTS)}")
 
     # -- inputs --------------------------------------------------------------
-    def _prepare(self, prompts: Sequence[Sequence[int]]):
+    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         V = self.target.config.vocab_size
@@ -148,40 +156,69 @@ class Engine:
             lengths.append(len(arr))
         longest = max(lengths)
         needed = longest + self.max_new_tokens + self.k + 1  # room for a final K+1-token round
-        if self.max_len is None:
-            max_len = -(-needed // _CACHE_BUCKET) * _CACHE_BUCKET
+        width = -(-longest // self.prompt_bucket) * self.prompt_bucket
+        if self.max_len is None:  # from the padded width, so that all shapes follow from it
+            max_len = -(-(width + needed - longest) // _CACHE_BUCKET) * _CACHE_BUCKET
         else:
             max_len = self.max_len
             if needed > max_len:
                 raise ValueError(
                     f"request does not fit the cache: longest prompt {longest} + max_new_tokens "
                     f"{self.max_new_tokens} + k {self.k} + 1 = {needed} > max_len {max_len}")
-        T = min(-(-longest // _PROMPT_BUCKET) * _PROMPT_BUCKET, max_len)
+        T = min(width, max_len)
         prompt_BT = np.zeros((len(prompts), T), np.int32)
         for i, p in enumerate(prompts):
             prompt_BT[i, : lengths[i]] = p
         s = loop.Settings(self.max_new_tokens, max_len, self.temperature, self.top_p, self.eos_ids,
                           self.target.dtype, self.layout)
         static = (self.target.config, s, self.drafter, self.policy)
+        state = self._rule_state(len(prompts), rule_state)
         # host arrays: jit transfers them; the PRNG key is made inside the program
-        inputs = (prompt_BT, np.asarray(lengths, np.int32), np.uint32(self.seed))
+        inputs = (prompt_BT, np.asarray(lengths, np.int32), np.uint32(self.seed), state)
         if self.layout is not None:  # rows split over "data" (a batch it does not divide is an error)
             self.layout.check_batch(len(prompts))
             rows = self.layout.spec("rows")
             inputs = sharding.place(inputs, (self.layout.named(rows), self.layout.named(P(rows[0])),
-                                             self.layout.replicated))
+                                             self.layout.replicated,
+                                             jax.tree.map(lambda _: self.layout.replicated, state)))
         return static, (*self.placed_params, *inputs)
 
+    def _rule_state(self, batch_size: int, given):
+        """The rule's starting state: fresh (`policy.init_state`), or `given`, checked against it."""
+        if self.policy is None:
+            if given is not None and jax.tree.leaves(given):
+                raise ValueError("rule_state was given, but target-only decoding (draft=None) has no rule state")
+            return ()
+        fresh = jax.device_get(self.policy.init_state(batch_size))  # host arrays, as every other input
+        if given is None:
+            return fresh
+        want, got = jax.tree.structure(fresh), jax.tree.structure(given)
+        if want != got:
+            raise ValueError(f"rule_state does not match method {self.method!r}'s state: expected the structure "
+                             f"{want}, got {got} (pass the rule_state of an earlier output of this engine)")
+        for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(given)):
+            if np.shape(a) != np.shape(b) or jnp_dtype(a) != jnp_dtype(b):
+                raise ValueError(f"rule_state does not match method {self.method!r}'s state: an array of "
+                                 f"{jnp_dtype(b)}{list(np.shape(b))} where {jnp_dtype(a)}"
+                                 f"{list(np.shape(a))} is expected (a batch of another size for ASD's "
+                                 "per-request ledgers?)")
+        return jax.device_get(given)
+
     # -- public --------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]]) -> GenerateOutput:
-        static, args = self._prepare(prompts)
+    def generate(self, prompts: Sequence[Sequence[int]], rule_state=None) -> GenerateOutput:
+        """New tokens and statistics for each prompt (one compiled program for the whole batch).
+
+        rule_state: the rule's starting state, e.g. the `rule_state` of an earlier output so
+        that CSD's memory keeps what earlier calls taught it (default: the rule's fresh state,
+        the memory given at construction)."""
+        static, args = self._prepare(prompts, rule_state)
         seq_BS, num_out_B, stats, policy_state = jax.device_get(self._program(*static, *args))
         prompt_len = [len(p) for p in prompts]
         tokens = [seq_BS[b, prompt_len[b]: prompt_len[b] + num_out_B[b]].tolist() for b in range(len(prompts))]
-        return GenerateOutput(tokens, _stats(stats, policy_state, self.policy))
+        return GenerateOutput(tokens, _stats(stats, policy_state, self.policy), policy_state)
 
-    def lower(self, prompts: Sequence[Sequence[int]]) -> jax.stages.Lowered:
-        static, args = self._prepare(prompts)
+    def lower(self, prompts: Sequence[Sequence[int]], rule_state=None) -> jax.stages.Lowered:
+        static, args = self._prepare(prompts, rule_state)
         return self._program.lower(*static, *args)
 
 
@@ -227,3 +264,7 @@ def _stats(stats, policy_state, policy) -> dict[str, Any]:
         out["csd_memory_capacity"] = policy_state.capacity
         out["csd_memory_dropped"] = int(policy_state.dropped)
     return out
+
+
+def jnp_dtype(x) -> np.dtype:
+    return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)

@@ -112,7 +112,7 @@ def pending(state: LoopState) -> jax.Array:
 
 
 def prefill(config, params, prompt_BT, prompt_len_B, key, s: Settings, K: int,
-            drafter=None, draft_params=None, policy=None) -> LoopState:
+            drafter=None, draft_params=None, policy=None, policy_state=None) -> LoopState:
     """Runs the ragged, right-padded prompts through the target (and the drafter) and
     emits each row's first token, which belongs to no round."""
     B, T = prompt_BT.shape
@@ -125,7 +125,8 @@ def prefill(config, params, prompt_BT, prompt_len_B, key, s: Settings, K: int,
     seq_BS = _shard(s, "rows", jnp.zeros((B, s.max_len), jnp.int32).at[:, :T].set(prompt_BT))
     draft_state = () if drafter is None else drafter.init(draft_params, prompt_BT, prompt_len_B, s.max_len)
     draft_state = _shard(s, "draft_cache", draft_state)
-    policy_state = () if policy is None else policy.init_state(B)
+    if policy_state is None:
+        policy_state = () if policy is None else policy.init_state(B)
     state = LoopState(cache._replace(lengths=prompt_len_B), seq_BS, prompt_len_B, jnp.zeros((B,), jnp.int32),
                       jnp.zeros((B,), bool), key, draft_state, policy_state, init_stats(B, K))
     zeros = jnp.zeros((B,), jnp.int32)
@@ -211,11 +212,15 @@ def score(config, params, fed_BR, cache, width, s: Settings):
 
 
 def generate_program(config, s: Settings, drafter, policy, params, draft_params,
-                     prompt_BT, prompt_len_B, seed):
-    """The whole generation as one traceable function (prefill + one while_loop)."""
+                     prompt_BT, prompt_len_B, seed, policy_state=None):
+    """The whole generation as one traceable function (prefill + one while_loop).
+
+    policy_state: the rule's starting state (None: `policy.init_state(B)`); it is
+    returned at the end, so a CSD memory can carry on into the next call."""
     key = jax.random.PRNGKey(seed)
     K = 1 if drafter is None else drafter.k
-    state = prefill(config, params, prompt_BT, prompt_len_B, key, s, K, drafter, draft_params, policy)
+    state = prefill(config, params, prompt_BT, prompt_len_B, key, s, K, drafter, draft_params, policy,
+                    policy_state)
     if drafter is None:
         body = lambda st: target_only_round(config, params, st, s)  # noqa: E731
     else:

@@ -109,6 +109,61 @@ def test_asd_ledger_and_csd_memory_in_stats(target, draft):
     assert 0 < csd.stats["csd_memory_filled"] <= 128 and csd.stats["csd_memory_capacity"] == 128
 
 
+def test_csd_memory_carries_on_across_calls(target, draft):
+    """out.rule_state is the memory with this call's lessons; passing it on continues from it,
+    exactly as an engine built with that memory, without compiling again."""
+    engine = specjax.Engine(target, draft=draft, method="csd", k=4, max_new_tokens=NEW, min_count=0,
+                            csd_memory=128)
+    first = engine.generate(PROMPTS[:2])
+    learned = first.rule_state
+    assert isinstance(learned, specjax.verify.CSDMemory) and int(learned.filled) == first.stats["csd_memory_filled"] > 0
+    compiled = engine._program._cache_size()
+    fresh = engine.generate(PROMPTS[2:])  # no rule_state: starts from the construction memory again
+    carried = engine.generate(PROMPTS[2:], rule_state=learned)
+    assert engine._program._cache_size() == compiled + 1  # one more batch shape, not one more per memory
+    again = engine.generate(PROMPTS[2:], rule_state=fresh.rule_state)
+    assert engine._program._cache_size() == compiled + 1
+    rebuilt = specjax.Engine(target, draft=draft, method="csd", k=4, max_new_tokens=NEW, min_count=0,
+                             csd_memory=learned).generate(PROMPTS[2:])
+    assert carried.tokens == rebuilt.tokens and carried.stats == rebuilt.stats
+    assert carried.rule_state.to_dict() == rebuilt.rule_state.to_dict()
+    # what the first call learned is still there, plus what this call added
+    assert set(learned.to_dict()) <= set(carried.rule_state.to_dict())
+    assert carried.stats["csd_memory_filled"] >= fresh.stats["csd_memory_filled"]
+    assert again.stats["csd_memory_filled"] >= fresh.stats["csd_memory_filled"]
+
+
+def test_a_rule_state_of_another_kind_is_refused(target, draft):
+    csd = specjax.Engine(target, draft=draft, method="csd", k=4, max_new_tokens=4, csd_memory=16)
+    asd = specjax.Engine(target, draft=draft, method="asd", k=4, max_new_tokens=4)
+    with pytest.raises(ValueError, match="rule_state does not match method 'asd'"):
+        asd.generate(PROMPTS, rule_state=csd.policy.init_state(3))
+    with pytest.raises(ValueError, match="batch of another size"):
+        asd.generate(PROMPTS, rule_state=asd.policy.init_state(2))
+    with pytest.raises(ValueError, match="target-only decoding"):
+        specjax.Engine(target, max_new_tokens=4).generate(PROMPTS, rule_state=asd.policy.init_state(3))
+    ledgers = asd.generate(PROMPTS).rule_state  # ASD's state: what is left of each request's budget
+    assert ledgers.shape == (3,) and (np.asarray(ledgers) >= 0).all()
+
+
+def test_prompt_bucket_compiles_once_for_prompts_of_many_lengths(target, draft):
+    """prompt_bucket=64: the three prompts (10, 2 and 20 tokens) share one program, and the
+    wider padding changes no token."""
+    wide = specjax.Engine(target, draft=draft, method="fly", k=4, max_new_tokens=NEW, prompt_bucket=64)
+    narrow = specjax.Engine(target, draft=draft, method="fly", k=4, max_new_tokens=NEW)
+
+    def programs_compiled(engine):  # jit's cache is shared by every engine of the process: count new entries
+        before = engine._program._cache_size()
+        tokens = [engine.generate([p]).tokens for p in PROMPTS]
+        return engine._program._cache_size() - before, tokens
+
+    (n_wide, wide_tokens), (n_narrow, narrow_tokens) = programs_compiled(wide), programs_compiled(narrow)
+    assert wide_tokens == narrow_tokens
+    assert n_wide == 1 and n_narrow == 2  # 16-token buckets: widths 16 and 32
+    with pytest.raises(ValueError, match="prompt_bucket must be a positive integer"):
+        specjax.Engine(target, max_new_tokens=4, prompt_bucket=0)
+
+
 def test_sampling_at_temperature_is_seeded(target, draft):
     run = lambda seed, method="exact": specjax.Engine(  # noqa: E731
         target, draft=draft, method=method, k=4, max_new_tokens=NEW, temperature=0.8, seed=seed).generate(PROMPTS)

@@ -112,3 +112,20 @@ def test_memory_is_a_while_loop_carry():
 def test_bad_construction_raises(args, match):
     with pytest.raises(ValueError, match=match):
         verify.csd_memory(*args)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    """What a generate call taught the memory survives orbax: same pairs, counts, capacity."""
+    memory = verify.csd_memory(16, np.array([[3, 4], [5, 6], [3, 4], [7, 7]]), np.array([1, 2, 5, 0]))
+    verify.save_csd_memory(tmp_path / "m", memory)
+    loaded = verify.load_csd_memory(tmp_path / "m")
+    assert loaded.capacity == 16 and loaded.to_dict() == memory.to_dict() == {(3, 4): 6, (5, 6): 2}
+    assert verify.load_csd_memory(tmp_path / "m", capacity=4).capacity == 4
+    verify.save_csd_memory(tmp_path / "empty", verify.csd_memory(8))  # orbax cannot write zero-size arrays
+    assert verify.load_csd_memory(tmp_path / "empty").to_dict() == {}
+    with pytest.raises(ValueError, match="outside a vocabulary of 6"):
+        verify.load_csd_memory(tmp_path / "m", vocab_size=6)
+    with pytest.raises(ValueError, match="do not fit in capacity 1"):
+        verify.load_csd_memory(tmp_path / "m", capacity=1)
+    with pytest.raises(FileNotFoundError, match="no saved memory"):
+        verify.load_csd_memory(tmp_path / "nothing")

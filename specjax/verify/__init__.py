@@ -10,7 +10,7 @@ sharded over the vocabulary on a mesh).
 from specjax.verify._asd import asd
 from specjax.verify._common import RowStats, Verdict, VocabSharding, row_stats, use_vocab_sharding
 from specjax.verify._csd import csd, csd_batch
-from specjax.verify._csd_memory import CSDMemory, csd_count, csd_memory
+from specjax.verify._csd_memory import CSDMemory, csd_count, csd_memory, load_csd_memory, save_csd_memory
 from specjax.verify._fly import fly
 from specjax.verify._greedy import greedy
 from specjax.verify._policy import METHODS, Policy, make_policy
@@ -31,8 +31,10 @@ __all__ = [
     "csd_memory",
     "fly",
     "greedy",
+    "load_csd_memory",
     "make_policy",
     "row_stats",
+    "save_csd_memory",
     "speculative_sampling",
     "typical",
     "use_vocab_sharding",

@@ -11,6 +11,7 @@ dropped (they keep reading as count 0) and counted in `dropped`.
 from __future__ import annotations
 
 import numbers
+import os
 from typing import NamedTuple
 
 import jax
@@ -152,3 +153,40 @@ def csd_count(memory: CSDMemory, draft_token, target_token) -> jax.Array:
     check_memory("csd_count", memory)
     a, b = jnp.asarray(draft_token, jnp.int32), jnp.asarray(target_token, jnp.int32)
     return lookup(memory, a[None], b[None])[0]
+
+
+def save_csd_memory(path, memory: CSDMemory) -> None:
+    """Saves a memory's pairs, counts and capacity with orbax in the directory `path`.
+
+    Only the stored pairs are written (pairs int32[P, 2], counts int32[P],
+    capacity), not the table, so the file does not depend on the hash layout.
+    An existing save there is replaced."""
+    import orbax.checkpoint as ocp
+
+    check_memory("save_csd_memory", memory)
+    stored = memory.to_dict()
+    pairs_P2 = np.asarray(list(stored), np.int32).reshape(-1, 2)
+    counts_P = np.asarray(list(stored.values()), np.int32)
+    if not len(pairs_P2):  # orbax writes no zero-size array; one pair of count 0 stores nothing
+        pairs_P2, counts_P = np.zeros((1, 2), np.int32), np.zeros((1,), np.int32)
+    tree = {"pairs": pairs_P2, "counts": counts_P, "capacity": np.asarray(memory.capacity, np.int32)}
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.abspath(path), tree, force=True)
+    ckptr.wait_until_finished()
+
+
+def load_csd_memory(path, capacity: int | None = None, vocab_size: int | None = None) -> CSDMemory:
+    """The memory `save_csd_memory` wrote at `path` (capacity None: the saved one).
+
+    vocab_size: refuse token ids outside it (a memory of another tokenizer)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"load_csd_memory: no saved memory at {path}")
+    tree = ocp.StandardCheckpointer().restore(path)
+    pairs_P2, counts_P = np.asarray(tree["pairs"], np.int32), np.asarray(tree["counts"], np.int32)
+    if vocab_size is not None and len(pairs_P2) and pairs_P2.max() >= vocab_size:
+        raise ValueError(f"load_csd_memory: {path} has token id {pairs_P2.max()}, outside a vocabulary of "
+                         f"{vocab_size}: it was built for another tokenizer")
+    return csd_memory(int(tree["capacity"]) if capacity is None else capacity, pairs_P2, counts_P)
