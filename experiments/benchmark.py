@@ -194,7 +194,8 @@ def main(argv):
                          accepted_per_round=float("nan"), loose_share=float("nan"), divergence=float("nan")))
     print(f"\nmachine: {machine()}")
     print(f"target {_MODEL.value}; {len(prompts)} prompts ({', '.join(_DATASETS.value)}"
-          f"{'' if _CHAT_HE.value else ', HumanEval as raw completion'}); K={_K.value}; "
+          f"{', HumanEval as raw completion' if 'humaneval' in _DATASETS.value and not _CHAT_HE.value else ''}); "
+          f"K={_K.value}; "
           f"max_new_tokens={_NEW.value}; stop_at_eos={_EOS.value}; batch 1; options {options}")
     print(f"baseline drift (second/first run of each prompt): median {statistics.median(drift):.3f}, "
           f"range {min(drift):.3f}-{max(drift):.3f}; wall time {time.perf_counter() - started:.0f}s\n")
