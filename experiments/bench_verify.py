@@ -186,7 +186,6 @@ def main(argv):
         FLAGS.reps, FLAGS.min_time, FLAGS.forward = min(FLAGS.reps, 2), 0.0, False
     if FLAGS.reps < 1:
         raise app.UsageError("--reps must be >= 1")
-    import jax
     import numpy as np
 
     from specjax import verify

@@ -2,7 +2,6 @@
 
 import sys
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
