@@ -290,7 +290,7 @@ def test_csd_memory_files_round_trip(tmp_path):
     memory = C.load_csd_memory(tmp_path / "a", vocab_size=258)
     assert memory.to_dict() == {(1, 2): 7, (3, 4): 1} and memory.capacity == 16
     assert C.load_csd_memory(tmp_path / "a", capacity=4).capacity == 4
-    with pytest.raises(app.UsageError, match="outside the target's vocabulary"):
+    with pytest.raises(app.UsageError, match="token id 4, outside a vocabulary of 4"):
         C.load_csd_memory(tmp_path / "a", vocab_size=4)
     C.save_csd_memory(tmp_path / "empty", np.zeros((0, 2)), np.zeros((0,)), 8, {})  # no mismatch seen
     assert C.load_csd_memory(tmp_path / "empty").to_dict() == {}
