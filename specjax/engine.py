@@ -196,13 +196,14 @@ class Engine:
         if want != got:
             raise ValueError(f"rule_state does not match method {self.method!r}'s state: expected the structure "
                              f"{want}, got {got} (pass the rule_state of an earlier output of this engine)")
+        given = jax.device_get(given)  # host arrays, like `fresh`: one comparison, one jit cache entry
         for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(given)):
-            if np.shape(a) != np.shape(b) or jnp_dtype(a) != jnp_dtype(b):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.shape != b.shape or a.dtype != b.dtype:
                 raise ValueError(f"rule_state does not match method {self.method!r}'s state: an array of "
-                                 f"{jnp_dtype(b)}{list(np.shape(b))} where {jnp_dtype(a)}"
-                                 f"{list(np.shape(a))} is expected (a batch of another size for ASD's "
-                                 "per-request ledgers?)")
-        return jax.device_get(given)
+                                 f"{b.dtype}{list(b.shape)} where {a.dtype}{list(a.shape)} is expected "
+                                 "(a batch of another size for ASD's per-request ledgers?)")
+        return given
 
     # -- public --------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], rule_state=None) -> GenerateOutput:
@@ -264,7 +265,3 @@ def _stats(stats, policy_state, policy) -> dict[str, Any]:
         out["csd_memory_capacity"] = policy_state.capacity
         out["csd_memory_dropped"] = int(policy_state.dropped)
     return out
-
-
-def jnp_dtype(x) -> np.dtype:
-    return np.dtype(getattr(x, "dtype", None) or np.asarray(x).dtype)
