@@ -102,14 +102,14 @@ def greedy_sequences(target: models.Model, ids: Sequence[Sequence[int]], max_new
 def argmax_and_regret(target: models.Model, draft: models.Model, seq: Sequence[int], bucket: int = 128):
     """Teacher forcing of both models on one sequence: per position q (predicting token q + 1),
     the target's argmax t, the draft's argmax d, and the target's logit regret of d,
-    max L[q] - L[q][d[q]]. NumPy arrays of len(seq)."""
-    import jax.numpy as jnp
+    max L[q] - L[q][d[q]], from the statistics the verify rules read (`pallas.gate_stats`).
+    NumPy arrays of len(seq)."""
+    from specjax import pallas
 
-    d_Q = jnp.argmax(teacher_forced(draft, seq, bucket), axis=-1)
-    L_QV = teacher_forced(target, seq, bucket)
-    t_Q = jnp.argmax(L_QV, axis=-1)
-    regret_Q = jnp.max(L_QV, axis=-1) - jnp.take_along_axis(L_QV, d_Q[:, None], axis=-1)[:, 0]
-    return np.asarray(t_Q), np.asarray(d_Q), np.asarray(regret_Q, np.float32)
+    d_Q = pallas.gate_stats(teacher_forced(draft, seq, bucket)).argmax
+    target_stats = pallas.gate_stats(teacher_forced(target, seq, bucket), d_Q)
+    regret_Q = target_stats.max_logit - target_stats.token_logit
+    return np.asarray(target_stats.argmax), np.asarray(d_Q), np.asarray(regret_Q, np.float32)
 
 
 class Forced(NamedTuple):

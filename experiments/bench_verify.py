@@ -5,7 +5,7 @@ r"""Cost of one batched verify call, next to the target's verify forward, on thi
     python experiments/bench_verify.py --batch=1,8 --k=8 --vocab=49152 --methods=fly,asd --full
     python experiments/bench_verify.py --smoke         # tiny V, no model: checks that the binary runs
 
-A verify call is `policy.verify` of `specjax.verify.make_policy(method, k=K)` under
+A verify call is a call of the rule object `specjax.verify.rule(method)` under
 `jax.jit`, on random float32 logits [batch, K+1, V] and drafts that mostly match
 their argmax (the rules are vectorised, so the values barely matter), with the
 rule's state (ASD ledger, CSD memory) donated and carried from call to call as
@@ -135,18 +135,18 @@ def verify_call(method: str, B: int, K: int, V: int, rng) -> Timed:
     from specjax import verify
 
     T = FLAGS.temperature if method == "typical" else 0.0
-    policy = verify.make_policy(method, k=K, temperature=T)
+    rule = verify.rule(method)
     logits = rng.normal(0.0, 2.0, (B, K + 1, V)).astype(np.float32)
     drafts = logits[:, :K].argmax(-1).astype(np.int32)
     miss = rng.random((B, K)) < 0.25  # a quarter of the drafts miss their argmax
     drafts[miss] = rng.integers(0, V, int(miss.sum()))
 
     def run(state, d_BK, L_BRV, key):
-        verdict, state, info = policy.verify(state, d_BK, L_BRV, key=key)
-        return verdict, state, info
+        verdict, state, counts = rule(state, d_BK, L_BRV, key=key, temperature=T)
+        return verdict, state, counts
 
     fn = jax.jit(run, donate_argnums=(0,))
-    args = (policy.init_state(B), jnp.asarray(drafts), jnp.asarray(logits), jax.random.key(FLAGS.seed))
+    args = (rule.init_state(B), jnp.asarray(drafts), jnp.asarray(logits), jax.random.key(FLAGS.seed))
     return Timed(fn, args, carry_index=0)
 
 

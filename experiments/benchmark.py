@@ -24,7 +24,10 @@ import time
 
 from absl import app, flags, logging
 
-from _common import machine  # noqa: E402  (experiments/ is on sys.path when run as a script)
+try:  # imported as experiments.benchmark (tests) or run as a script (experiments/ on sys.path)
+    from experiments import _common as C
+except ImportError:
+    import _common as C
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
 _DRAFTS = flags.DEFINE_list("drafts", ["pld"], "Drafters: pld, self:N, a preset/path (draft model), "
@@ -60,51 +63,26 @@ _OPTIONS = {m: flags.DEFINE_string(m, "", f"Options of {m} as key=value,key=valu
 class Tally:
     tokens: int = 0
     seconds: float = 0.0
-    taus: list = dataclasses.field(default_factory=list)
-    accepted: float = 0.0
-    loose: int = 0
-    examined: int = 0
+    stats: list = dataclasses.field(default_factory=list)  # per generate call, merged by specjax.metrics
     diverged: int = 0
-    speedups: list = dataclasses.field(default_factory=list)
 
     def add(self, out_tokens, seconds, stats=None):
         self.tokens += sum(len(t) for t in out_tokens)
         self.seconds += seconds
         if stats:
-            self.taus.append(stats["tau"])
-            self.accepted += stats.get("accepted_per_round", 0.0)
-            self.loose += stats.get("loose", 0)
-            self.examined += stats.get("mismatches_examined", 0)
+            self.stats.append(stats)
 
     @property
     def tps(self):
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def parse_options(text: str) -> dict:
-    options = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        if "=" not in item:
-            raise app.UsageError(f"rule option {item!r} is not key=value")
-        key, value = item.split("=", 1)
-        for cast in (int, float):
-            try:
-                value = cast(value)
-                break
-            except ValueError:
-                pass
-        if value in ("true", "false"):
-            value = value == "true"
-        options[key] = value
+def parse_options(method: str, text: str) -> dict:
+    """--fly=theta=0.3,window=6 -> {"theta": 0.3, "window": 6}, typed by the rule object's fields."""
+    _, options = C.parse_method_spec(f"{method}:{text}")
+    if {"draft", "k"} & set(options):
+        raise app.UsageError(f"--{method}: draft and k are set by --drafts and --k, not per method")
     return options
-
-
-def resolve_draft(spec, target, models):
-    if spec in ("pld",) or spec.startswith("self:"):
-        return spec, spec
-    if spec.startswith("pld+"):
-        return ("pld", models.load(spec[4:])), spec
-    return models.load(spec), spec
 
 
 def main(argv):
@@ -112,7 +90,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
     import specjax
-    from specjax import data, models
+    from specjax import data, metrics, models
 
     for name in (_K, _NEW, _NUM, _BUCKET):
         if name.value <= 0:
@@ -121,7 +99,7 @@ def main(argv):
                                             "sampling"})
     if unknown:
         raise app.UsageError(f"unknown method(s): {', '.join(unknown)}")
-    options = {m: parse_options(f.value) for m, f in _OPTIONS.items()}
+    options = {m: parse_options(m, f.value) for m, f in _OPTIONS.items()}
     mesh = make_mesh(_MESH.value)
     started = time.perf_counter()
     target = models.load(_MODEL.value)
@@ -137,7 +115,7 @@ def main(argv):
                               prompt_bucket=_BUCKET.value)
     configs = {}
     for spec in _DRAFTS.value:
-        draft, label = resolve_draft(spec, target, models)
+        draft, label = C.resolve_draft(spec, _MODEL.value), spec
         for method in _METHODS.value:
             T = _TYPICAL_T.value if method == "typical" else 0.0
             rule, opts = method, options.get(method, {})
@@ -182,17 +160,16 @@ def main(argv):
     rows = [dict(engine="specjax", drafter="none", method="target-only", tokens_per_s=base.tps, speedup=1.0,
                  tau=1.0, accepted_per_round=0.0, loose_share=0.0, divergence=0.0)]
     for (label, method), tally in tallies.items():
-        n = len(tally.taus)
+        merged = metrics.merge(tally.stats)
         rows.append(dict(engine="specjax", drafter=label, method=method + (f"@T={_TYPICAL_T.value}" if method == "typical" else ""),
-                         tokens_per_s=tally.tps, speedup=tally.tps / base.tps, tau=statistics.mean(tally.taus),
-                         accepted_per_round=tally.accepted / n,
-                         loose_share=tally.loose / tally.examined if tally.examined else 0.0,
-                         divergence=tally.diverged / n))
+                         tokens_per_s=tally.tps, speedup=tally.tps / base.tps, tau=merged["tau"],
+                         accepted_per_round=merged["accepted_per_round"], loose_share=merged["loose_share"],
+                         divergence=tally.diverged / len(tally.stats)))
     for name, tally in peer_tallies.items():
         rows.append(dict(engine="transformers", drafter=name.split(":")[0], method=name.split(":")[1],
                          tokens_per_s=tally.tps, speedup=tally.tps / base.tps, tau=float("nan"),
                          accepted_per_round=float("nan"), loose_share=float("nan"), divergence=float("nan")))
-    print(f"\nmachine: {machine()}")
+    print(f"\nmachine: {C.machine()}")
     print(f"target {_MODEL.value}; {len(prompts)} prompts ({', '.join(_DATASETS.value)}"
           f"{', HumanEval as raw completion' if 'humaneval' in _DATASETS.value and not _CHAT_HE.value else ''}); "
           f"K={_K.value}; "

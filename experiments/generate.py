@@ -53,7 +53,7 @@ _OUTPUT = flags.DEFINE_string("output", None, "Write prompts, texts, tokens and 
 _QUIET = flags.DEFINE_boolean("quiet", False, "No progress lines on stderr.")
 C.define_rule_flags()
 C.define_calibration_flags()
-flags.adopt_module_key_flags(C)  # --help lists the flags defined in _common
+flags.adopt_module_key_flags(C.flag_module)  # --help lists the shared flags
 
 DEFAULT_PROMPTS = ["Write a Python function that checks whether a string is a palindrome."]
 
@@ -100,7 +100,7 @@ def main(argv):
             n = i * _BATCH.value + j
             print(f"\n>>> {texts[n]}\n{tok.decode(tokens, skip_special_tokens=True)}", flush=True)
 
-    with C.Ticker("compiling") if not _QUIET.value else C._Null():
+    with C.Ticker("compiling") if not _QUIET.value else C.Null():
         compile_s = C.compile_for(engine, C.chunks(ids, _BATCH.value))
     say(f"compiled in {compile_s:.1f}s; generating ...")
     result = C.run(engine, ids, _BATCH.value, progress=not _QUIET.value, on_batch=show, warm=False)
@@ -109,7 +109,7 @@ def main(argv):
           f"({result.tokens_per_s:.1f} tokens/s), method={_METHOD.value}, draft={_DRAFT.value}, "
           f"compile {compile_s:.1f}s")
     for key in ("tau", "rounds", "tau_per_request", "accepted_per_round", "accepted_per_position", "loose",
-                "mismatches_examined", "loose_share", "csd_memory_filled_max", "csd_memory_capacity",
+                "mismatches_examined", "loose_share", "csd_memory_filled", "csd_memory_capacity",
                 "csd_memory_dropped", "ledger_spent_per_request"):
         if key in s:
             value = s[key]

@@ -70,7 +70,7 @@ _TIMEOUT = flags.DEFINE_float("exec_timeout", 10.0, "Seconds per HumanEval progr
 _BUDGET_MIN = flags.DEFINE_float("time_budget_minutes", 0.0, "Stop starting new points after this long (0: no limit).")
 _OUT = flags.DEFINE_string("output_dir", None, "Directory for sweep.csv, sweep.json and the plots. Required.")
 C.define_calibration_flags()
-flags.adopt_module_key_flags(C)  # --help lists the flags defined in _common
+flags.adopt_module_key_flags(C.flag_module)  # --help lists the shared flags
 flags.mark_flag_as_required("output_dir")
 
 

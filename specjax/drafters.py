@@ -1,12 +1,14 @@
 """Drafters: what proposes the K tokens that the target verifies.
 
-Every drafter is a frozen dataclass of static settings with two pure methods:
+`from_spec(draft, target, k)` turns the Engine's `draft` argument (None, "pld",
+"self:N", a Model, ("pld", Model)) into a drafter and its parameters. Every
+drafter is a frozen dataclass of static settings with two pure methods:
 
     state = drafter.init(params, prompt_BT, prompt_len_B, max_len)
-    drafts_BK, num_draft_B, probs_BKV | None, state = drafter.propose(params, state, seq_BS, L_B, key, T)
+    drafts_BK, num_draft_B, probs_BKV | None, state = drafter.propose(params, state, seq_BS, lengths_B, key, T)
 
 `seq_BS` holds every row's committed tokens (prompt, then emitted ones) and
-`L_B` indexes each row's pending token: the last emitted one, which the target
+`lengths_B` (L per row) indexes each row's pending token: the last emitted one, which the target
 has not seen yet. A drafter with a KV cache re-feeds the two tokens at L-1 and
 L each round: position L-1 is already in its cache (recomputing it is
 idempotent), and this covers both catch-up cases at once (after a rejection
@@ -25,6 +27,52 @@ import jax.numpy as jnp
 
 from specjax.models import llama
 from specjax.models.config import Config
+from specjax.models.model import Model
+
+SPECS = ("None", "a Model", "'pld'", "'self:N'", "('pld', Model)")
+
+
+def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temperature: float = 0.0):
+    """(drafter, draft params) for the Engine's `draft` argument; (None, ()) for target-only decoding.
+
+    draft: None, "pld" (prompt lookup), "self:N" (the target's first N layers), a Model
+    sharing the target's vocabulary, or ("pld", Model) (FLy's multi-level drafting, T = 0).
+    """
+    if draft is None:
+        return None, ()
+    if isinstance(draft, str) and draft == "pld":
+        return PromptLookup(k, match=pld_match), ()
+    if isinstance(draft, str) and draft.startswith("self:"):
+        draft = self_draft_model(target, draft[len("self:"):])
+    if isinstance(draft, Model):
+        check_vocab(target, draft)
+        return ModelDrafter(draft.config, k, draft.dtype, draft.name or "draft"), draft.params
+    if isinstance(draft, tuple) and len(draft) == 2 and draft[0] == "pld" and isinstance(draft[1], Model):
+        check_vocab(target, draft[1])
+        if temperature > 0:
+            raise ValueError("multi-level drafting ('pld', Model) is a temperature-0 drafter")
+        model = ModelDrafter(draft[1].config, k, draft[1].dtype, draft[1].name or "draft")
+        return MultiLevel(model, PromptLookup(k, match=pld_match)), draft[1].params
+    raise ValueError(f"unknown draft {draft!r:.80}; expected one of {', '.join(SPECS)}")
+
+
+def self_draft_model(target: Model, num_layers) -> Model:
+    """The target's first `num_layers` layers, with its embedding, final norm and head, as a Model."""
+    n = str(num_layers)
+    if not n.isdigit() or not 1 <= int(n) < target.config.num_layers:
+        raise ValueError(f"draft 'self:{n}': N must be an integer in [1, {target.config.num_layers - 1}]")
+    config = dataclasses.replace(target.config, num_layers=int(n))
+    return Model(config, self_draft_params(target.params, int(n)), target.tokenizer, f"self:{n}", target.dtype)
+
+
+def check_vocab(target: Model, draft: Model) -> None:
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise ValueError(f"vocabulary mismatch between draft ({dv} tokens) and target ({tv} tokens): "
+                         "a draft model must share the target's tokenizer")
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is not None and dt is not None and tt.backend.get_vocab() != dt.backend.get_vocab():
+        raise ValueError("vocabulary mismatch between draft and target: same size, different tokens")
 
 
 def _choose(key, logits_BV, temperature):
@@ -35,9 +83,9 @@ def _choose(key, logits_BV, temperature):
     return jax.random.categorical(key, logits_BV / temperature, axis=-1).astype(jnp.int32), probs_BV
 
 
-def _last_two(seq_BS, L_B):
+def _last_two(seq_BS, lengths_B):
     """The tokens at L-1 and L (the pending token) of each row: int32[B, 2]."""
-    return jnp.take_along_axis(seq_BS, jnp.stack([L_B - 1, L_B], axis=1), axis=1)
+    return jnp.take_along_axis(seq_BS, jnp.stack([lengths_B - 1, lengths_B], axis=1), axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +104,13 @@ class ModelDrafter:
                                         select_BJ=(prompt_len_B - 1)[:, None])
         return cache
 
-    def propose(self, params, cache, seq_BS, L_B, key, temperature):
+    def propose(self, params, cache, seq_BS, lengths_B, key, temperature):
         B = seq_BS.shape[0]
         keys = jax.random.split(key, self.k)
-        cache = cache._replace(lengths=L_B - 1)
-        logits_B1V, cache = llama.forward_cached(self.config, params, _last_two(seq_BS, L_B), cache,
+        cache = cache._replace(lengths=lengths_B - 1)
+        logits_B1V, cache = llama.forward_cached(self.config, params, _last_two(seq_BS, lengths_B), cache,
                                                  dtype=self.dtype, select_BJ=jnp.ones((B, 1), jnp.int32))
-        cache = cache._replace(lengths=L_B + 1)
+        cache = cache._replace(lengths=lengths_B + 1)
         d0_B, q0_BV = _choose(keys[0], logits_B1V[:, 0], temperature)
 
         def step(carry, key):
@@ -106,9 +154,9 @@ class PromptLookup:
     def init(self, params, prompt_BT, prompt_len_B, max_len):
         return ()
 
-    def lookup(self, seq_BS, L_B):
+    def lookup(self, seq_BS, lengths_B):
         """(drafts int32[B, K], num_draft int32[B], found bool[B])."""
-        return jax.vmap(self._row)(seq_BS, L_B)
+        return jax.vmap(self._row)(seq_BS, lengths_B)
 
     def _row(self, seq_S, L):
         S = seq_S.shape[0]
@@ -130,8 +178,8 @@ class PromptLookup:
         num_draft = jnp.where(best_found, jnp.clip(L + 1 - best_start, 1, self.k), 0)
         return drafts_K.astype(jnp.int32), num_draft.astype(jnp.int32), best_found
 
-    def propose(self, params, state, seq_BS, L_B, key, temperature):
-        drafts_BK, num_draft_B, _ = self.lookup(seq_BS, L_B)
+    def propose(self, params, state, seq_BS, lengths_B, key, temperature):
+        drafts_BK, num_draft_B, _ = self.lookup(seq_BS, lengths_B)
         return drafts_BK, num_draft_B, None, state
 
 
@@ -153,13 +201,13 @@ class MultiLevel:
     def init(self, params, prompt_BT, prompt_len_B, max_len):
         return self.model.init(params, prompt_BT, prompt_len_B, max_len)
 
-    def propose(self, params, cache, seq_BS, L_B, key, temperature):
+    def propose(self, params, cache, seq_BS, lengths_B, key, temperature):
         K, cfg, dtype = self.k, self.model.config, self.model.dtype
         B = seq_BS.shape[0]
-        p_BK, np_B, found_B = self.lookup.lookup(seq_BS, L_B)
+        p_BK, np_B, found_B = self.lookup.lookup(seq_BS, lengths_B)
         # one draft forward over [seq[L-1], pending, p_0 .. p_{K-1}] at positions L-1 ..
-        tokens = jnp.concatenate([_last_two(seq_BS, L_B), p_BK], axis=1)
-        logits_BRV, cache = llama.forward_cached(cfg, params, tokens, cache._replace(lengths=L_B - 1), dtype=dtype)
+        tokens = jnp.concatenate([_last_two(seq_BS, lengths_B), p_BK], axis=1)
+        logits_BRV, cache = llama.forward_cached(cfg, params, tokens, cache._replace(lengths=lengths_B - 1), dtype=dtype)
         t_BR = jnp.argmax(logits_BRV[:, 1:], axis=-1).astype(jnp.int32)  # draft's choice after pending, p_0, ...
         j_K = jnp.arange(K)
         agree_BK = (p_BK == t_BR[:, :K]) & (j_K[None] < np_B[:, None])
@@ -176,7 +224,7 @@ class MultiLevel:
             drafts_BK, c_B, cache = carry
             prev_B = jnp.take_along_axis(drafts_BK, jnp.clip(c_B - 1, 0, K - 1)[:, None], axis=1)[:, 0]
             logits_B1V, cache = llama.forward_cached(cfg, params, prev_B[:, None],
-                                                     cache._replace(lengths=L_B + c_B), dtype=dtype)
+                                                     cache._replace(lengths=lengths_B + c_B), dtype=dtype)
             d_B = jnp.argmax(logits_B1V[:, 0], axis=-1).astype(jnp.int32)
             fill_BK = (j_K[None] == c_B[:, None]) & (c_B[:, None] < K)
             return jnp.where(fill_BK, d_B[:, None], drafts_BK), c_B + 1, cache

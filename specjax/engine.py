@@ -9,50 +9,52 @@ compiling, and turns the program's arrays into tokens and statistics.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from specjax import drafters, loop, sharding, verify
+from specjax import drafters, loop, metrics, sharding, verify
 from specjax.models.model import Model
 
 _PROMPT_BUCKET = 16  # prompt lengths are padded to a multiple of this to limit recompiles
 _CACHE_BUCKET = 64
-DRAFTS = ("None", "a Model", "'pld'", "'self:N'", "('pld', Model)")
 
 
 @dataclasses.dataclass
 class GenerateOutput:
     tokens: list[list[int]]  # per prompt: the new tokens only, up to and including EOS
-    stats: dict[str, Any]
+    stats: dict[str, Any]  # specjax.metrics.statistics (docs/rules.md, Metrics)
     # the rule's final state: the CSD memory (with what this call taught it), the ASD
     # ledgers f32[B], or (); `generate(..., rule_state=out.rule_state)` carries it on
     rule_state: Any = ()
 
 
 class Engine:
-    """Compiles and runs generation (DESIGN.md's public API).
+    """Compiles and runs generation.
 
     draft: None (target-only autoregressive decoding, the baseline), a `Model`
     sharing the target's vocabulary, "pld" (prompt lookup), "self:N" (the
-    target's first N layers), or ("pld", Model) (FLy's multi-level drafting).
-    method: a `verify` method (greedy/exact, fly, asd, csd, typical, sampling);
-    at temperature > 0, greedy/exact verify by lossless speculative sampling.
-    Beyond DESIGN.md's arguments: `eos_ids` overrides the tokens that end a row
-    (default: the model's EOS; `()` generates exactly max_new_tokens, as benchmarks
-    do), `pld_match` ("earliest" or "latest") picks prompt lookup's occurrence, and
-    `prompt_bucket` is the multiple the longest prompt is padded to (the program's shapes
-    follow from it: a larger bucket compiles fewer programs for prompts of many lengths,
-    at the cost of a wider prefill).
+    target's first N layers), or ("pld", Model) (FLy's multi-level drafting);
+    see `drafters.from_spec`.
+    method: a rule object (`verify.Fly(theta=0.2)`, ...) or a method name (greedy/exact,
+    fly, asd, csd, typical, sampling) with its options as keyword arguments
+    (`method="fly", theta=0.2`); at temperature > 0, greedy/exact verify by lossless
+    speculative sampling. `csd_memory` (csd only): a capacity, or a CSDMemory to start from.
+    Beyond those: `eos_ids` overrides the tokens that end a row (default: the model's EOS;
+    `()` generates exactly max_new_tokens, as benchmarks do), `pld_match` ("earliest" or
+    "latest") picks prompt lookup's occurrence, and `prompt_bucket` is the multiple the
+    longest prompt is padded to (the program's shapes follow from it: a larger bucket
+    compiles fewer programs for prompts of many lengths, at the cost of a wider prefill).
     mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a
     `sharding.MeshConfig` (rules, attention "auto"/"replicate"/"pad", draft "shard"/"replicate");
     params are placed once, caches and logits are constrained inside the program, and the
     batch must divide over "data" (see `specjax.sharding`).
     """
 
-    def __init__(self, target: Model, draft=None, method: str = "greedy", k: int = 8,
+    def __init__(self, target: Model, draft=None, method: str | verify.Rule = "greedy", k: int = 8,
                  max_new_tokens: int = 128, max_len: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, mesh=None, eos_ids: Sequence[int] | None = None,
                  pld_match: str = "earliest", prompt_bucket: int = _PROMPT_BUCKET, **rule_options):
@@ -75,69 +77,26 @@ class Engine:
             raise ValueError(f"prompt_bucket must be a positive integer, got {prompt_bucket!r}")
         if pld_match not in ("earliest", "latest"):
             raise ValueError(f"pld_match must be 'earliest' or 'latest', got {pld_match!r}")
-        if method not in verify.METHODS:
-            raise ValueError(f"unknown method {method!r} (supported: {', '.join(verify.METHODS)})")
-        self.target, self.method, self.k, self.prompt_bucket = target, method, int(k), int(prompt_bucket)
+        self.target, self.k, self.prompt_bucket = target, int(k), int(prompt_bucket)
         self.max_new_tokens, self.max_len = int(max_new_tokens), max_len
         self.temperature, self.top_p, self.seed, self.mesh = float(temperature), float(top_p), seed, mesh
         self.eos_ids = tuple(int(e) for e in (target.eos_token_ids if eos_ids is None else eos_ids))
-        self.drafter, self.draft_params = self._drafter(draft, pld_match)
-        self.draft = draft
+        self.rule, self._start_state = _rule(method, rule_options, self.temperature, draft is None)
+        self.method = method if isinstance(method, str) else self.rule.name
+        self.drafter, draft_params = drafters.from_spec(draft, target, self.k, pld_match=pld_match,
+                                                        temperature=self.temperature)
+        if self.drafter is not None and self.top_p < 1.0:
+            raise ValueError("top_p < 1 is only supported for target-only decoding (draft=None): "
+                             "speculative sampling preserves the target's full distribution")
         # mesh: NamedShardings for params, caches and logits (specjax.sharding); None: one device
         self.layout = None if mesh_config is None else sharding.make_layout(
             mesh_config, target.config, getattr(getattr(self.drafter, "model", self.drafter), "config", None))
-        if self.drafter is None:
-            if method not in ("greedy", "exact") or rule_options:
-                what = f"method {method!r}" if method not in ("greedy", "exact") else \
-                    f"option(s) {', '.join(sorted(rule_options))}"
-                raise ValueError(f"{what} needs a draft: draft=None is target-only decoding")
-            self.policy = None
-        else:
-            if self.top_p < 1.0:
-                raise ValueError("top_p < 1 is only supported for target-only decoding (draft=None): "
-                                 "speculative sampling preserves the target's full distribution")
-            rule = "sampling" if self.temperature > 0 and method in ("greedy", "exact") else method
-            try:
-                vocab = {} if self.layout is None or self.layout.vocab_sharding is None else \
-                    {"vocab_sharding": self.layout.vocab_sharding}
-                self.policy = verify.make_policy(rule, k=self.k, temperature=self.temperature, **vocab,
-                                                 **rule_options)
-            except ValueError as e:
-                raise ValueError(str(e).replace("make_policy", "Engine")) from None
-        if self.layout is None:
-            self._program = jax.jit(loop.generate_program, static_argnums=(0, 1, 2, 3))
-            self.placed_params = (target.params, self.draft_params)
-        else:  # outputs replicated: every process of a multi-process run reads them
-            self._program = jax.jit(loop.generate_program, static_argnums=(0, 1, 2, 3),
-                                    out_shardings=self.layout.replicated)
-            self.placed_params = (
-                sharding.place(target.params, self.layout.param_shardings(target.params)),
-                sharding.place(self.draft_params, self.layout.param_shardings(self.draft_params, "draft"))
-                if jax.tree.leaves(self.draft_params) else self.draft_params)
-
-    def _drafter(self, draft, pld_match):
-        t, k = self.target, self.k
-        if draft is None:
-            return None, ()
-        if isinstance(draft, str) and draft == "pld":
-            return drafters.PromptLookup(k, match=pld_match), ()
-        if isinstance(draft, str) and draft.startswith("self:"):
-            n = draft[len("self:"):]
-            if not n.isdigit() or not 1 <= int(n) < t.config.num_layers:
-                raise ValueError(f"draft {draft!r}: N must be an integer in [1, {t.config.num_layers - 1}]")
-            config = dataclasses.replace(t.config, num_layers=int(n))
-            return (drafters.ModelDrafter(config, k, t.dtype, draft),
-                    drafters.self_draft_params(t.params, int(n)))
-        if isinstance(draft, Model):
-            _check_vocab(t, draft)
-            return drafters.ModelDrafter(draft.config, k, draft.dtype, draft.name or "draft"), draft.params
-        if isinstance(draft, tuple) and len(draft) == 2 and draft[0] == "pld" and isinstance(draft[1], Model):
-            _check_vocab(t, draft[1])
-            if self.temperature > 0:
-                raise ValueError("multi-level drafting ('pld', Model) is a temperature-0 drafter")
-            model = drafters.ModelDrafter(draft[1].config, k, draft[1].dtype, draft[1].name or "draft")
-            return drafters.MultiLevel(model, drafters.PromptLookup(k, match=pld_match)), draft[1].params
-        raise ValueError(f"unknown draft {draft!r:.80}; expected one of {', '.join(DRAFTS)}")
+        self.params = loop.Params(target=target.params, draft=draft_params)
+        if self.layout is not None:
+            self.params = loop.Params(
+                target=sharding.place(target.params, self.layout.param_shardings(target.params)),
+                draft=sharding.place(draft_params, self.layout.param_shardings(draft_params, "draft"))
+                if jax.tree.leaves(draft_params) else draft_params)
 
     # -- inputs --------------------------------------------------------------
     def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None):
@@ -169,27 +128,32 @@ class Engine:
         prompt_BT = np.zeros((len(prompts), T), np.int32)
         for i, p in enumerate(prompts):
             prompt_BT[i, : lengths[i]] = p
-        s = loop.Settings(self.max_new_tokens, max_len, self.temperature, self.top_p, self.eos_ids,
-                          self.target.dtype, self.layout)
-        static = (self.target.config, s, self.drafter, self.policy)
+        program = loop.Program(config=self.target.config, max_new_tokens=self.max_new_tokens, max_len=max_len,
+                               temperature=self.temperature, top_p=self.top_p, eos_ids=self.eos_ids,
+                               dtype=self.target.dtype, drafter=self.drafter, rule=self.rule, layout=self.layout)
         state = self._rule_state(len(prompts), rule_state)
         # host arrays: jit transfers them; the PRNG key is made inside the program
-        inputs = (prompt_BT, np.asarray(lengths, np.int32), np.uint32(self.seed), state)
+        inputs = dict(prompt_BT=prompt_BT, prompt_len_B=np.asarray(lengths, np.int32), seed=np.uint32(self.seed),
+                      rule_state=state)
         if self.layout is not None:  # rows split over "data" (a batch it does not divide is an error)
             self.layout.check_batch(len(prompts))
             rows = self.layout.spec("rows")
-            inputs = sharding.place(inputs, (self.layout.named(rows), self.layout.named(P(rows[0])),
-                                             self.layout.replicated,
-                                             jax.tree.map(lambda _: self.layout.replicated, state)))
-        return static, (*self.placed_params, *inputs)
+            inputs = sharding.place(inputs, dict(prompt_BT=self.layout.named(rows),
+                                                 prompt_len_B=self.layout.named(P(rows[0])),
+                                                 seed=self.layout.replicated,
+                                                 rule_state=jax.tree.map(lambda _: self.layout.replicated, state)))
+        return program, dict(params=self.params, **inputs)
 
     def _rule_state(self, batch_size: int, given):
-        """The rule's starting state: fresh (`policy.init_state`), or `given`, checked against it."""
-        if self.policy is None:
+        """The rule's starting state: `given`, checked against the rule's fresh state, or
+        the memory given at construction, or the rule's fresh state."""
+        if self.rule is None:
             if given is not None and jax.tree.leaves(given):
                 raise ValueError("rule_state was given, but target-only decoding (draft=None) has no rule state")
             return ()
-        fresh = jax.device_get(self.policy.init_state(batch_size))  # host arrays, as every other input
+        fresh = jax.device_get(self.rule.init_state(batch_size))  # host arrays, as every other input
+        if given is None:
+            given = self._start_state
         if given is None:
             return fresh
         want, got = jax.tree.structure(fresh), jax.tree.structure(given)
@@ -210,58 +174,51 @@ class Engine:
         """New tokens and statistics for each prompt (one compiled program for the whole batch).
 
         rule_state: the rule's starting state, e.g. the `rule_state` of an earlier output so
-        that CSD's memory keeps what earlier calls taught it (default: the rule's fresh state,
-        the memory given at construction)."""
-        static, args = self._prepare(prompts, rule_state)
-        seq_BS, num_out_B, stats, policy_state = jax.device_get(self._program(*static, *args))
-        prompt_len = [len(p) for p in prompts]
-        tokens = [seq_BS[b, prompt_len[b]: prompt_len[b] + num_out_B[b]].tolist() for b in range(len(prompts))]
-        return GenerateOutput(tokens, _stats(stats, policy_state, self.policy), policy_state)
+        that CSD's memory keeps what earlier calls taught it (default: the memory given at
+        construction, else the rule's fresh state)."""
+        program, args = self._prepare(prompts, rule_state)
+        out = jax.device_get(program.run(**args))
+        tokens = [out.seq_BS[b, len(p): len(p) + out.num_out_B[b]].tolist() for b, p in enumerate(prompts)]
+        return GenerateOutput(tokens, metrics.statistics(out.counters, out.rule_state), out.rule_state)
 
     def lower(self, prompts: Sequence[Sequence[int]], rule_state=None) -> jax.stages.Lowered:
-        static, args = self._prepare(prompts, rule_state)
-        return self._program.lower(*static, *args)
+        """The whole generation for these prompts' shapes, lowered (`.compile()` fills the cache
+        that `generate` reads)."""
+        program, args = self._prepare(prompts, rule_state)
+        return loop.Program.run.lower(program, **args)
 
 
-def _check_vocab(target: Model, draft: Model) -> None:
-    tv, dv = target.config.vocab_size, draft.config.vocab_size
-    if tv != dv:
-        raise ValueError(f"vocabulary mismatch between draft ({dv} tokens) and target ({tv} tokens): "
-                         "a draft model must share the target's tokenizer")
-    tt, dt = target.tokenizer, draft.tokenizer
-    if tt is not None and dt is not None and tt.backend.get_vocab() != dt.backend.get_vocab():
-        raise ValueError("vocabulary mismatch between draft and target: same size, different tokens")
+def _rule(method, options: dict, temperature: float, target_only: bool):
+    """(rule object or None for target-only decoding, starting rule state or None: the rule's fresh one).
 
-
-def _stats(stats, policy_state, policy) -> dict[str, Any]:
-    rounds_B, round_tokens_B = stats["rounds_B"], stats["round_tokens_B"]
-    # tau per request = tokens emitted by rounds / rounds (SPEC.md, Metrics); a request
-    # finished by its prefill token has no round and a tau of 0 by this definition.
-    tau_B = np.where(rounds_B > 0, round_tokens_B / np.maximum(rounds_B, 1), 0.0)
-    out = {
-        "tau": float(tau_B.mean()),
-        "tau_per_request": tau_B.tolist(),
-        "rounds": int(rounds_B.max()),
-        "rounds_per_request": rounds_B.tolist(),
-        "round_tokens_per_request": round_tokens_B.tolist(),
-    }
-    if policy is None:
-        return out
-    offered, accepted = stats["offered_K"], stats["accepted_K"]
-    loose, examined = int(stats["num_loose_B"].sum()), int(stats["examined_B"].sum())
-    out.update({
-        "accepted_per_round": float(accepted.sum() / max(int(rounds_B.sum()), 1)),
-        "accepted_per_position": np.where(offered > 0, accepted / np.maximum(offered, 1), 0.0).tolist(),
-        "accepted_counts_per_position": accepted.tolist(),
-        "offered_per_position": offered.tolist(),
-        "loose": loose,
-        "loose_per_request": stats["num_loose_B"].tolist(),
-        "mismatches_examined": examined,
-        "loose_share": loose / examined if examined else 0.0,
-        "ledger_spent_per_request": stats["spent_B"].tolist(),
-    })
-    if isinstance(policy_state, verify.CSDMemory):
-        out["csd_memory_filled"] = int(policy_state.filled)
-        out["csd_memory_capacity"] = policy_state.capacity
-        out["csd_memory_dropped"] = int(policy_state.dropped)
-    return out
+    A CSD memory given as `csd_memory` is starting state, not an option of the rule."""
+    options = dict(options)
+    start = None
+    memory = options.pop("csd_memory", None)
+    if isinstance(method, verify.Rule):
+        if options or memory is not None:
+            raise ValueError(f"options ({', '.join(sorted(options) or ['csd_memory'])}) come with a method name; "
+                             f"the rule object {method} already holds its options")
+        rule = method
+    elif not isinstance(method, str) or method not in verify.METHODS:
+        raise ValueError(f"unknown method {method!r} (supported: {', '.join(verify.METHODS)}, or a verify.Rule)")
+    else:
+        if memory is not None:
+            if method != "csd":
+                raise ValueError(f"option 'csd_memory' does not apply to method {method!r} (it is for csd)")
+            if isinstance(memory, verify.CSDMemory):
+                start = memory
+                options["capacity"] = memory.capacity
+            elif isinstance(memory, numbers.Integral) and not isinstance(memory, bool):
+                options["capacity"] = int(memory)
+            else:
+                raise ValueError(f"Engine: csd_memory must be a capacity (int >= 1) or a CSDMemory, got {memory!r}")
+        rule = verify.rule(method, **options)
+    if target_only:  # (a Greedy takes no options)
+        if not isinstance(rule, verify.Greedy):
+            raise ValueError(f"method {rule.name!r} needs a draft: draft=None is target-only decoding")
+        return None, None
+    if temperature > 0 and isinstance(rule, verify.Greedy):  # lossless at T > 0: speculative sampling
+        rule = verify.Sampling()
+    rule.check_temperature(temperature)
+    return rule, start

@@ -1,180 +1,239 @@
 """The compiled generation: prefill, then one `jax.lax.while_loop` over rounds.
 
-    prompt -> prefill (first token) -> while any row is live: round -> tokens, stats
+    prompt -> prefill (first token) -> while any row is live: round -> tokens, counters
 
 A speculative round reads top to bottom as the algorithm does:
 
     draft    K tokens per row (a draft model's scan, prompt lookup, ...)
     score    the target runs once on [pending, d_0 .. d_{K-1}] at each row's offset
-    verify   the policy's rule gives n (accepted drafts) and the next token per row
+    verify   the rule gives n (accepted drafts) and the next token per row
     commit   each row emits d[:n] + [next] and moves its length pointer by n + 1
 
 Target-only decoding is the same loop without a drafter: score the pending
 token, emit the next one. Rejected positions are never erased: the length
 pointers move, and attention masks by position.
+
+`Program` holds only static, hashable settings and is jitted with
+`static_argnames=("self",)`; everything that varies between calls (parameters,
+prompts, the seed, the rule's starting state) is a keyword argument.
+Shape legend: docs/rules.md (B rows, T prompt width, S cache length, K drafts,
+R = K + 1 scored positions, V vocabulary).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, NamedTuple
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from specjax import sampling
+from specjax import sampling, verify
+from specjax.metrics import Counters
 from specjax.models import llama
+from specjax.models.config import Config
 from specjax.models.llama import KVCache
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """Static, hashable generation settings (a jit static argument)."""
+@struct.dataclass(kw_only=True)
+class Params:
+    """The parameters a program reads: the target's, and the draft model's (or () without one)."""
 
+    target: Any
+    draft: Any = ()
+
+
+@struct.dataclass(kw_only=True)
+class LoopState:
+    """Everything the while_loop carries."""
+
+    cache: KVCache  # target cache; cache.lengths[b] = L: row b's pending token sits at seq_BS[b, L]
+    seq_BS: jax.Array  # int32[B, S]: prompt, then emitted tokens
+    prompt_len_B: jax.Array  # int32[B]
+    num_out_B: jax.Array  # int32[B]: emitted tokens; L = prompt_len + num_out - 1
+    done_B: jax.Array  # bool[B]
+    key: jax.Array  # PRNG key, split once per round
+    draft_state: Any  # the drafter's own state (a draft KV cache, or ())
+    rule_state: Any  # the rule's state (ASD ledgers, CSD memory, or ())
+    counters: Counters  # what the statistics are made of (specjax.metrics)
+
+
+@struct.dataclass(kw_only=True)
+class Output:
+    seq_BS: jax.Array  # int32[B, S]
+    num_out_B: jax.Array  # int32[B]: new tokens of row b are seq_BS[b, prompt_len_B[b]:][:num_out_B[b]]
+    counters: Counters
+    rule_state: Any  # the rule's final state, to carry into the next call
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Program:
+    """One generation program: the static settings of prefill + the while_loop.
+
+    drafter None with rule None is target-only decoding; otherwise both are set.
+    layout: a `sharding.Layout` on a mesh (None: one device, no constraints at all).
+    """
+
+    config: Config
     max_new_tokens: int
-    max_len: int
+    max_len: int  # S, the cache length
     temperature: float
     top_p: float
     eos_ids: tuple[int, ...]
     dtype: Any = jnp.float32
-    layout: Any = None  # sharding.Layout on a mesh; None: one device (no constraints at all)
+    drafter: Any = None
+    rule: Any = None
+    layout: Any = None
 
+    @property
+    def k(self) -> int:
+        return 0 if self.drafter is None else self.drafter.k
 
-def _shard(s: Settings, kind: str, x):
-    """Pins `x` (an array, a KVCache, or a drafter state) to the layout's sharding of `kind`."""
-    return x if s.layout is None else s.layout.constrain(kind, x)
+    @functools.partial(jax.jit, static_argnames=("self",))
+    def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state) -> Output:
+        """The whole generation: prefill, then rounds until every row is done."""
+        state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state)
+        if self.drafter is None:
+            body = functools.partial(self.target_only_round, params)
+        else:
+            body = functools.partial(self.speculative_round, params)
+        state = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), body, state)
+        out = Output(seq_BS=state.seq_BS, num_out_B=state.num_out_B, counters=state.counters,
+                     rule_state=state.rule_state)
+        # replicated outputs: every process of a multi-process run reads them
+        return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.layout.replicated)
 
+    # -- the pieces of the loop -------------------------------------------------
 
-class LoopState(NamedTuple):
-    """Everything the while_loop carries (one named pytree)."""
+    def _shard(self, kind: str, x):
+        """Pins `x` (an array, a KVCache, or a drafter state) to the layout's sharding of `kind`."""
+        return x if self.layout is None else self.layout.constrain(kind, x)
 
-    cache: KVCache  # target cache; lengths[b] = L: row b's pending token sits at seq[b, L]
-    seq_BS: jax.Array  # int32[B, max_len]: prompt then emitted tokens
-    prompt_len_B: jax.Array  # int32[B]
-    num_out_B: jax.Array  # int32[B]: emitted tokens; L = prompt_len + num_out - 1
-    done_B: jax.Array  # bool[B]
-    key: jax.Array
-    draft_state: Any  # the drafter's own state (a draft KV cache, or ())
-    policy_state: Any  # the rule's state (ASD ledgers, CSD memory, or ())
-    stats: dict  # per-row and per-position counters (see `init_stats`)
+    def prefill(self, params: Params, prompt_BT, prompt_len_B, key, rule_state) -> LoopState:
+        """Runs the ragged, right-padded prompts through the target (and the drafter) and
+        emits each row's first token, which belongs to no round."""
+        B, T = prompt_BT.shape
+        cache = self._shard("cache", llama.init_cache(self.config, B, self.max_len, self.dtype))
+        logits_B1V, cache = llama.forward_cached(self.config, params.target, prompt_BT, cache, dtype=self.dtype,
+                                                 select_BJ=(prompt_len_B - 1)[:, None])
+        logits_B1V = self._shard("logits", logits_B1V)
+        key, sub = jax.random.split(key)
+        first_B = sampling.sample(sub, logits_B1V[:, 0], self.temperature, self.top_p)
+        seq_BS = self._shard("rows", jnp.zeros((B, self.max_len), jnp.int32).at[:, :T].set(prompt_BT))
+        draft_state = () if self.drafter is None else self.drafter.init(params.draft, prompt_BT, prompt_len_B,
+                                                                          self.max_len)
+        state = LoopState(cache=cache._replace(lengths=prompt_len_B), seq_BS=seq_BS, prompt_len_B=prompt_len_B,
+                          num_out_B=jnp.zeros((B,), jnp.int32), done_B=jnp.zeros((B,), bool), key=key,
+                          draft_state=self._shard("draft_cache", draft_state), rule_state=rule_state,
+                          counters=Counters.zeros(B, self.k))
+        state, _ = self.commit(state, first_B[:, None], jnp.ones((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
+        return state
 
+    def target_only_round(self, params: Params, state: LoopState) -> LoopState:
+        """Autoregressive baseline: score the pending token, emit the next one."""
+        live_B = ~state.done_B
+        logits_B1V, cache = llama.forward_cached(self.config, params.target, pending(state)[:, None], state.cache,
+                                                 dtype=self.dtype)
+        logits_B1V, cache = self._shard("logits", logits_B1V), self._shard("cache", cache)
+        key, sub = jax.random.split(state.key)
+        next_B = sampling.sample(sub, logits_B1V[:, 0], self.temperature, self.top_p)
+        ones_B = jnp.ones_like(next_B)
+        state, emitted_B = self.commit(state.replace(cache=cache, key=key), next_B[:, None], ones_B, ones_B)
+        return state.replace(counters=state.counters.update(live_B=live_B, emitted_B=emitted_B))
 
-def init_stats(B: int, K: int) -> dict:
-    zi = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
-    return {
-        "rounds_B": zi(B),  # verification forwards in which the row was live
-        "round_tokens_B": zi(B),  # tokens emitted by rounds (the prefill token excluded)
-        "accepted_K": zi(K),  # rounds (all rows) in which draft position i was accepted
-        "offered_K": zi(K),  # rounds (all rows) in which draft position i was a real draft
-        "num_loose_B": zi(B),  # mismatches a loose rule accepted
-        "examined_B": zi(B),  # those plus the mismatches that stopped a round
-        "spent_B": jnp.zeros((B,), jnp.float32),  # ASD ledger charged
-    }
+    def speculative_round(self, params: Params, state: LoopState) -> LoopState:
+        K = self.k
+        key, k_draft, k_verify = jax.random.split(state.key, 3)
+        live_B = ~state.done_B
+        # draft
+        drafts_BK, num_draft_B, probs_BKV, draft_state = self.drafter.propose(
+            params.draft, state.draft_state, state.seq_BS, state.cache.lengths, k_draft, self.temperature)
+        # score: only as many positions as the live rows' longest proposal needs
+        fed_BR = jnp.concatenate([pending(state)[:, None], drafts_BK], axis=1)
+        width = jnp.max(jnp.where(live_B, num_draft_B, 0)) + 1
+        logits_BRV, cache = self.score(params, fed_BR, state.cache, width)
+        # verify (on a mesh, the rule reduces the vocabulary-sharded logits shard by shard)
+        vocab_sharding = None if self.layout is None else self.layout.vocab_sharding
+        with verify.use_vocab_sharding(vocab_sharding) if vocab_sharding else contextlib.nullcontext():
+            verdict, rule_state, counts = self.rule(
+                state.rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
+                draft_probs_BKV=probs_BKV, temperature=self.temperature)
+        n_B = verdict.num_accepted
+        # commit d[:n] + [next]
+        j_R = jnp.arange(K + 1)
+        drafts_BR = jnp.concatenate([drafts_BK, jnp.zeros_like(drafts_BK[:, :1])], axis=1)
+        block_BR = jnp.where(j_R[None] < n_B[:, None], drafts_BR, verdict.next_token[:, None])
+        state = state.replace(cache=cache, key=key, draft_state=self._shard("draft_cache", draft_state),
+                              rule_state=rule_state)
+        state, emitted_B = self.commit(state, block_BR, n_B + 1, n_B + 1)
+        counters = state.counters.update(live_B=live_B, emitted_B=emitted_B, n_B=n_B, num_draft_B=num_draft_B,
+                                         counts=counts)
+        return state.replace(counters=counters)
 
+    def score(self, params: Params, fed_BR, cache, width):
+        """The target's logits on the first `width` fed positions, padded to R = K + 1 rows.
 
-def commit(state: LoopState, block_BJ, count_B, advance_B, s: Settings) -> LoopState:
-    """Emits `block_BJ[b, :count_B[b]]` for each live row and moves its cache pointer.
+        A drafter may propose fewer than K tokens (prompt lookup, often none at all):
+        on a CPU a 9-position forward costs about twice a 1-position one, so the
+        forward runs at the smallest compiled width that covers every live row.
+        Padding rows lie past each row's num_draft, where no rule reads.
+        """
+        R = fed_BR.shape[1]
+        widths = verify_widths(R - 1)
 
-    The count is cut at `max_new_tokens` and just after the first EOS, so no row
-    ever emits past either. `advance_B` is how many fed tokens the cache keeps
-    (the pending token plus the accepted drafts); the last emitted token becomes
-    the new pending one.
-    """
-    B, J = block_BJ.shape
-    live_B = ~state.done_B
-    j_J = jnp.arange(J, dtype=jnp.int32)
-    count_B = jnp.minimum(count_B, s.max_new_tokens - state.num_out_B)
-    if s.eos_ids:
-        is_eos_BJ = jnp.isin(block_BJ, jnp.asarray(s.eos_ids, jnp.int32)) & (j_J[None] < count_B[:, None])
-        first_eos_B = jnp.where(is_eos_BJ.any(-1), jnp.argmax(is_eos_BJ, axis=-1), J)
-        hit_eos_B = first_eos_B < count_B
-        count_B = jnp.minimum(count_B, first_eos_B + 1)
-    else:
-        hit_eos_B = jnp.zeros((B,), bool)
-    count_B = jnp.where(live_B, count_B, 0)
-    S = state.seq_BS.shape[1]
-    pos_BJ = jnp.where(j_J[None] < count_B[:, None], (state.prompt_len_B + state.num_out_B)[:, None] + j_J[None], S)
-    num_out_B = state.num_out_B + count_B
-    stats = dict(state.stats)
-    stats["rounds_B"] = stats["rounds_B"] + live_B
-    stats["round_tokens_B"] = stats["round_tokens_B"] + count_B
-    return state._replace(
-        cache=state.cache._replace(lengths=state.cache.lengths + jnp.where(live_B, advance_B, 0)),
-        seq_BS=state.seq_BS.at[jnp.arange(B)[:, None], pos_BJ].set(block_BJ, mode="drop"),
-        num_out_B=num_out_B,
-        done_B=state.done_B | (live_B & (hit_eos_B | (num_out_B >= s.max_new_tokens))),
-        stats=stats,
-    )
+        def at(w):
+            def run(fed_BR, cache):
+                logits_BWV, cache = llama.forward_cached(self.config, params.target, fed_BR[:, :w], cache,
+                                                         dtype=self.dtype)
+                logits_BRV = jnp.pad(logits_BWV, ((0, 0), (0, R - w), (0, 0)))
+                return self._shard("logits", logits_BRV), self._shard("cache", cache)
+            return run
+
+        if len(widths) == 1:
+            return at(R)(fed_BR, cache)
+        branch = jnp.searchsorted(jnp.asarray(widths), width)
+        return jax.lax.switch(branch, [at(w) for w in widths], fed_BR, cache)
+
+    def commit(self, state: LoopState, block_BJ, count_B, advance_B) -> tuple[LoopState, jax.Array]:
+        """Emits `block_BJ[b, :count_B[b]]` for each live row and moves its cache pointer;
+        returns the new state and the tokens each row emitted.
+
+        The count is cut at `max_new_tokens` and just after the first EOS, so no row
+        ever emits past either. `advance_B` is how many fed tokens the cache keeps
+        (the pending token plus the accepted drafts); the last emitted token becomes
+        the new pending one.
+        """
+        B, J = block_BJ.shape
+        live_B = ~state.done_B
+        j_J = jnp.arange(J, dtype=jnp.int32)
+        count_B = jnp.minimum(count_B, self.max_new_tokens - state.num_out_B)
+        if self.eos_ids:
+            is_eos_BJ = jnp.isin(block_BJ, jnp.asarray(self.eos_ids, jnp.int32)) & (j_J[None] < count_B[:, None])
+            first_eos_B = jnp.where(is_eos_BJ.any(-1), jnp.argmax(is_eos_BJ, axis=-1), J)
+            hit_eos_B = first_eos_B < count_B
+            count_B = jnp.minimum(count_B, first_eos_B + 1)
+        else:
+            hit_eos_B = jnp.zeros((B,), bool)
+        count_B = jnp.where(live_B, count_B, 0)
+        S = state.seq_BS.shape[1]
+        start_B = state.prompt_len_B + state.num_out_B
+        pos_BJ = jnp.where(j_J[None] < count_B[:, None], start_B[:, None] + j_J[None], S)  # S: dropped
+        num_out_B = state.num_out_B + count_B
+        state = state.replace(
+            cache=state.cache._replace(lengths=state.cache.lengths + jnp.where(live_B, advance_B, 0)),
+            seq_BS=state.seq_BS.at[jnp.arange(B)[:, None], pos_BJ].set(block_BJ, mode="drop"),
+            num_out_B=num_out_B,
+            done_B=state.done_B | (live_B & (hit_eos_B | (num_out_B >= self.max_new_tokens))),
+        )
+        return state, count_B
 
 
 def pending(state: LoopState) -> jax.Array:
+    """Each row's pending token: emitted, not yet seen by the target. int32[B]."""
     return jnp.take_along_axis(state.seq_BS, state.cache.lengths[:, None], axis=1)[:, 0]
-
-
-def prefill(config, params, prompt_BT, prompt_len_B, key, s: Settings, K: int,
-            drafter=None, draft_params=None, policy=None, policy_state=None) -> LoopState:
-    """Runs the ragged, right-padded prompts through the target (and the drafter) and
-    emits each row's first token, which belongs to no round."""
-    B, T = prompt_BT.shape
-    cache = _shard(s, "cache", llama.init_cache(config, B, s.max_len, s.dtype))
-    logits_B1V, cache = llama.forward_cached(config, params, prompt_BT, cache, dtype=s.dtype,
-                                             select_BJ=(prompt_len_B - 1)[:, None])
-    logits_B1V = _shard(s, "logits", logits_B1V)
-    key, sub = jax.random.split(key)
-    first_B = sampling.sample(sub, logits_B1V[:, 0], s.temperature, s.top_p)
-    seq_BS = _shard(s, "rows", jnp.zeros((B, s.max_len), jnp.int32).at[:, :T].set(prompt_BT))
-    draft_state = () if drafter is None else drafter.init(draft_params, prompt_BT, prompt_len_B, s.max_len)
-    draft_state = _shard(s, "draft_cache", draft_state)
-    if policy_state is None:
-        policy_state = () if policy is None else policy.init_state(B)
-    state = LoopState(cache._replace(lengths=prompt_len_B), seq_BS, prompt_len_B, jnp.zeros((B,), jnp.int32),
-                      jnp.zeros((B,), bool), key, draft_state, policy_state, init_stats(B, K))
-    zeros = jnp.zeros((B,), jnp.int32)
-    state = commit(state, first_B[:, None], jnp.ones((B,), jnp.int32), zeros, s)
-    return state._replace(stats=init_stats(B, K))
-
-
-def target_only_round(config, params, state: LoopState, s: Settings) -> LoopState:
-    """Autoregressive baseline: score the pending token, emit the next one."""
-    logits_B1V, cache = llama.forward_cached(config, params, pending(state)[:, None], state.cache, dtype=s.dtype)
-    logits_B1V, cache = _shard(s, "logits", logits_B1V), _shard(s, "cache", cache)
-    key, sub = jax.random.split(state.key)
-    next_B = sampling.sample(sub, logits_B1V[:, 0], s.temperature, s.top_p)
-    ones = jnp.ones_like(next_B)
-    return commit(state._replace(cache=cache, key=key), next_B[:, None], ones, ones, s)
-
-
-def speculative_round(config, params, drafter, draft_params, policy, state: LoopState, s: Settings) -> LoopState:
-    K = drafter.k
-    key, k_draft, k_verify = jax.random.split(state.key, 3)
-    live_B = ~state.done_B
-    L_B = state.cache.lengths
-    pending_B = pending(state)
-    # draft
-    drafts_BK, num_draft_B, probs_BKV, draft_state = drafter.propose(
-        draft_params, state.draft_state, state.seq_BS, L_B, k_draft, s.temperature)
-    # score: only as many positions as the live rows' longest proposal needs
-    fed_BR = jnp.concatenate([pending_B[:, None], drafts_BK], axis=1)
-    width = jnp.max(jnp.where(live_B, num_draft_B, 0)) + 1
-    logits_BRV, cache = score(config, params, fed_BR, state.cache, width, s)
-    # verify
-    verdict, policy_state, info = policy.verify(state.policy_state, drafts_BK, logits_BRV, num_draft_B, k_verify,
-                                                live_B, probs_BKV)
-    n_B = verdict.num_accepted
-    # commit d[:n] + [next]
-    j_R = jnp.arange(K + 1)
-    drafts_BR = jnp.concatenate([drafts_BK, jnp.zeros_like(drafts_BK[:, :1])], axis=1)
-    block_BR = jnp.where(j_R[None] < n_B[:, None], drafts_BR, verdict.next_token[:, None])
-    stats = dict(state.stats)
-    i_K = jnp.arange(K)
-    stats["accepted_K"] += jnp.sum(live_B[:, None] & (i_K[None] < n_B[:, None]), axis=0)
-    stats["offered_K"] += jnp.sum(live_B[:, None] & (i_K[None] < num_draft_B[:, None]), axis=0)
-    stats["num_loose_B"] += info["num_loose"]
-    stats["examined_B"] += info["examined"]
-    stats["spent_B"] += info["spent"]
-    draft_state = _shard(s, "draft_cache", draft_state)
-    state = state._replace(cache=cache, key=key, draft_state=draft_state, policy_state=policy_state, stats=stats)
-    return commit(state, block_BR, n_B + 1, n_B + 1, s)
 
 
 def verify_widths(K: int) -> tuple[int, ...]:
@@ -184,46 +243,3 @@ def verify_widths(K: int) -> tuple[int, ...]:
     1 covers rounds with nothing proposed, the middle one short proposals.
     """
     return tuple(sorted({1, K // 2 + 1, K + 1}))
-
-
-def score(config, params, fed_BR, cache, width, s: Settings):
-    """The target's logits on the first `width` fed positions, padded to K + 1 rows.
-
-    A drafter may propose fewer than K tokens (prompt lookup, often none at all):
-    on a CPU a 9-position forward costs about twice a 1-position one, so the
-    forward runs at the smallest compiled width that covers every live row.
-    Padding rows lie past each row's num_draft, where no rule reads.
-    """
-    B, R = fed_BR.shape
-    widths = verify_widths(R - 1)
-
-    def at(w):
-        def run(fed_BR, cache):
-            logits_BWV, cache = llama.forward_cached(config, params, fed_BR[:, :w], cache, dtype=s.dtype)
-            return _shard(s, "logits", jnp.pad(logits_BWV, ((0, 0), (0, R - w), (0, 0)))), _shard(s, "cache", cache)
-        return run
-
-    if len(widths) == 1:
-        logits_BRV, cache = at(R)(fed_BR, cache)
-    else:
-        branch = jnp.searchsorted(jnp.asarray(widths), width)
-        logits_BRV, cache = jax.lax.switch(branch, [at(w) for w in widths], fed_BR, cache)
-    return _shard(s, "logits", logits_BRV), _shard(s, "cache", cache)
-
-
-def generate_program(config, s: Settings, drafter, policy, params, draft_params,
-                     prompt_BT, prompt_len_B, seed, policy_state=None):
-    """The whole generation as one traceable function (prefill + one while_loop).
-
-    policy_state: the rule's starting state (None: `policy.init_state(B)`); it is
-    returned at the end, so a CSD memory can carry on into the next call."""
-    key = jax.random.PRNGKey(seed)
-    K = 1 if drafter is None else drafter.k
-    state = prefill(config, params, prompt_BT, prompt_len_B, key, s, K, drafter, draft_params, policy,
-                    policy_state)
-    if drafter is None:
-        body = lambda st: target_only_round(config, params, st, s)  # noqa: E731
-    else:
-        body = lambda st: speculative_round(config, params, drafter, draft_params, policy, st, s)  # noqa: E731
-    state = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), body, state)
-    return state.seq_BS, state.num_out_B, state.stats, state.policy_state

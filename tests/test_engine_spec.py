@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import drafters
+from specjax import drafters, loop
 from specjax.models import Config, random_model
 
 TINY = Config(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
@@ -117,12 +117,12 @@ def test_csd_memory_carries_on_across_calls(target, draft):
     first = engine.generate(PROMPTS[:2])
     learned = first.rule_state
     assert isinstance(learned, specjax.verify.CSDMemory) and int(learned.filled) == first.stats["csd_memory_filled"] > 0
-    compiled = engine._program._cache_size()
+    compiled = loop.Program.run._cache_size()
     fresh = engine.generate(PROMPTS[2:])  # no rule_state: starts from the construction memory again
     carried = engine.generate(PROMPTS[2:], rule_state=learned)
-    assert engine._program._cache_size() == compiled + 1  # one more batch shape, not one more per memory
+    assert loop.Program.run._cache_size() == compiled + 1  # one more batch shape, not one more per memory
     again = engine.generate(PROMPTS[2:], rule_state=fresh.rule_state)
-    assert engine._program._cache_size() == compiled + 1
+    assert loop.Program.run._cache_size() == compiled + 1
     rebuilt = specjax.Engine(target, draft=draft, method="csd", k=4, max_new_tokens=NEW, min_count=0,
                              csd_memory=learned).generate(PROMPTS[2:])
     assert carried.tokens == rebuilt.tokens and carried.stats == rebuilt.stats
@@ -137,11 +137,11 @@ def test_a_rule_state_of_another_kind_is_refused(target, draft):
     csd = specjax.Engine(target, draft=draft, method="csd", k=4, max_new_tokens=4, csd_memory=16)
     asd = specjax.Engine(target, draft=draft, method="asd", k=4, max_new_tokens=4)
     with pytest.raises(ValueError, match="rule_state does not match method 'asd'"):
-        asd.generate(PROMPTS, rule_state=csd.policy.init_state(3))
+        asd.generate(PROMPTS, rule_state=csd.rule.init_state(3))
     with pytest.raises(ValueError, match="batch of another size"):
-        asd.generate(PROMPTS, rule_state=asd.policy.init_state(2))
+        asd.generate(PROMPTS, rule_state=asd.rule.init_state(2))
     with pytest.raises(ValueError, match="target-only decoding"):
-        specjax.Engine(target, max_new_tokens=4).generate(PROMPTS, rule_state=asd.policy.init_state(3))
+        specjax.Engine(target, max_new_tokens=4).generate(PROMPTS, rule_state=asd.rule.init_state(3))
     ledgers = asd.generate(PROMPTS).rule_state  # ASD's state: what is left of each request's budget
     assert ledgers.shape == (3,) and (np.asarray(ledgers) >= 0).all()
 
@@ -153,9 +153,9 @@ def test_prompt_bucket_compiles_once_for_prompts_of_many_lengths(target, draft):
     narrow = specjax.Engine(target, draft=draft, method="fly", k=4, max_new_tokens=NEW)
 
     def programs_compiled(engine):  # jit's cache is shared by every engine of the process: count new entries
-        before = engine._program._cache_size()
+        before = loop.Program.run._cache_size()
         tokens = [engine.generate([p]).tokens for p in PROMPTS]
-        return engine._program._cache_size() - before, tokens
+        return loop.Program.run._cache_size() - before, tokens
 
     (n_wide, wide_tokens), (n_narrow, narrow_tokens) = programs_compiled(wide), programs_compiled(narrow)
     assert wide_tokens == narrow_tokens

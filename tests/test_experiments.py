@@ -247,15 +247,6 @@ def test_helpers():
     assert d["divergence"] == pytest.approx(2 / 3) and d["first_diff_min"] == 0
     assert C.parse_method_spec("fly:theta=0.3,window=6,draft=pld,k=4") == (
         "fly", {"theta": 0.3, "window": 6, "draft": "pld", "k": 4})
-    merged = C.merge_stats([
-        {"tau_per_request": [2.0], "rounds_per_request": [3], "round_tokens_per_request": [6], "rounds": 3,
-         "accepted_counts_per_position": [3, 0], "offered_per_position": [3, 3], "loose": 1,
-         "mismatches_examined": 4, "loose_per_request": [1], "ledger_spent_per_request": [0.0]},
-        {"tau_per_request": [1.0], "rounds_per_request": [1], "round_tokens_per_request": [1], "rounds": 1,
-         "accepted_counts_per_position": [0, 0], "offered_per_position": [1, 1], "loose": 0,
-         "mismatches_examined": 0, "loose_per_request": [0], "ledger_spent_per_request": [0.0]}])
-    assert merged["tau"] == 1.5 and merged["accepted_per_position"] == [0.75, 0.0]
-    assert merged["accepted_per_round"] == 0.75 and merged["loose_share"] == 0.25
     tok = C.byte_tokenizer()
     ids = tok.chat_prompt_ids("héllo")
     assert tok.decode(ids, skip_special_tokens=True) == "user\nhéllo\nassistant\n"

@@ -93,9 +93,9 @@ def assert_partitioned(engine, prompts, attention):
     assert shardings["embed"].spec == jax.sharding.PartitionSpec(None, "model")
     stats = compiled.memory_analysis()
     if stats is not None:  # what one device receives: its shards of the weights, plus the small inputs
-        planned = sum(sharding.max_bytes_per_device(p) for p in engine.placed_params if jax.tree.leaves(p))
+        planned = sum(sharding.max_bytes_per_device(p) for p in (engine.params.target, engine.params.draft) if jax.tree.leaves(p))
         assert planned <= stats.argument_size_in_bytes <= planned + 64 * 1024
-        full = sum(x.nbytes for p in engine.placed_params for x in jax.tree.leaves(p))
+        full = sum(x.nbytes for p in (engine.params.target, engine.params.draft) for x in jax.tree.leaves(p))
         assert stats.argument_size_in_bytes < 0.8 * full
 
 
@@ -116,7 +116,7 @@ def test_tiny_model_tokens_equal_one_device(tiny, method, drafter, mesh_shape):
     if model_axis > 1:
         assert_partitioned(engine, TINY_PROMPTS, attention=model_axis == 4)
         # the verify rules reduce the vocabulary-sharded logits per shard
-        assert engine.policy.vocab_sharding is not None and engine.policy.vocab_sharding.vocab_axis == "model"
+        assert engine.layout.vocab_sharding is not None and engine.layout.vocab_sharding.vocab_axis == "model"
 
 
 def test_padded_heads_on_a_model_axis_they_do_not_divide(tiny):
@@ -141,7 +141,7 @@ def test_draft_may_be_replicated(tiny):
     mesh = sharding.MeshConfig(jax.make_mesh((2, 4), ("data", "model")), draft="replicate")
     target, draft = tiny
     engine = specjax.Engine(target, draft=draft, method="greedy", k=2, max_new_tokens=8, eos_ids=(), mesh=mesh)
-    shardings = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, engine.placed_params[1]))
+    shardings = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, engine.params.draft))
     assert all(s.is_fully_replicated for s in shardings)
     if ("greedy", "model") not in _single:
         _single[("greedy", "model")] = run_tiny(tiny, "greedy", "model")[0]
@@ -186,7 +186,7 @@ def test_smollm2_tokens_equal_one_device(smollm2, smol_prompts, mesh_shape, meth
         assert layout.vocab_sharded and layout.target.rules.mlp == "model"
         assert_partitioned(engine, smol_prompts, attention=False)
         # every device holds 1/m of the vocabulary and of the (block-quantized) MLP weights
-        m, placed, params = mesh_shape[1], engine.placed_params[0], smollm2.params
+        m, placed, params = mesh_shape[1], engine.params.target, smollm2.params
         assert sharding.max_bytes_per_device(placed["embed"]) * m == params["embed"].nbytes
         for name in ("w_gate", "w_up", "w_down"):
             assert sharding.max_bytes_per_device(placed["layers"][name]) * m == params["layers"][name].nbytes
@@ -208,5 +208,5 @@ def test_smollm2_padded_heads(smollm2, smol_prompts):
     out = engine.generate(smol_prompts)
     assert_same_or_near_tie(smollm2, smol_prompts, _smol_single[("fly", "pld")].tokens, out.tokens,
                             "smollm2 padded heads")
-    wq = engine.placed_params[0]["layers"]["wq"]
+    wq = engine.params.target["layers"]["wq"]
     assert sharding.max_bytes_per_device(wq) * 4 == sum(x.nbytes for x in jax.tree.leaves(wq))

@@ -43,11 +43,12 @@ def round_inputs(V, seed=0, dtype=jnp.float32):
     return jnp.asarray(d), jnp.asarray(L, dtype), jnp.asarray(k)
 
 
-def run_policy(method, T, opts, d, L, k, **policy_kw):
-    policy = verify.make_policy(method, k=K, temperature=T, **opts, **policy_kw)
+def run_rule(method, T, opts, d, L, k, vocab_sharding=None):
+    rule = verify.rule(method, **opts)
     # A fresh function per call: the pallas implementation is chosen when it is traced.
-    fn = jax.jit(lambda s, d, L, k, key: policy.verify(s, d, L, k, key))
-    return fn(policy.init_state(d.shape[0]), d, L, k, jax.random.key(3))
+    fn = jax.jit(lambda s, d, L, k, key: rule(s, d, L, num_draft_B=k, key=key, temperature=T))
+    with verify.use_vocab_sharding(vocab_sharding):
+        return fn(rule.init_state(d.shape[0]), d, L, k, jax.random.key(3))
 
 
 def assert_same(a, b, what):
@@ -58,11 +59,11 @@ def assert_same(a, b, what):
 @pytest.mark.parametrize("method,T,opts", [CASES[i] for i in (0, 2, 4, 5, 6)], ids=lambda c: str(c))
 def test_forced_kernel_equals_default(method, T, opts):
     d, L, k = round_inputs(V=300)  # V not a multiple of the kernel's block
-    want = run_policy(method, T, opts, d, L, k)
+    want = run_rule(method, T, opts, d, L, k)
     previous = pallas.set_impl("kernel")
     try:
-        got = run_policy(method, T, opts, d, L, k)
-        jaxpr = str(jax.make_jaxpr(lambda d, L, k: run_policy(method, T, opts, d, L, k))(d, L, k))
+        got = run_rule(method, T, opts, d, L, k)
+        jaxpr = str(jax.make_jaxpr(lambda d, L, k: run_rule(method, T, opts, d, L, k))(d, L, k))
     finally:
         pallas.set_impl(previous)
     assert "pallas_call" in jaxpr
@@ -117,13 +118,13 @@ def collectives(fn, *args):
 
 @needs_8
 @pytest.mark.parametrize("method,T,opts", SHARDED_CASES, ids=lambda c: str(c))
-def test_vocab_sharded_policy_equals_unsharded(method, T, opts):
+def test_vocab_sharded_rule_equals_unsharded(method, T, opts):
     # 8-way vocabulary sharding on a 1-D mesh (jax.make_mesh's Explicit axes).
     d, L, k = round_inputs(V=8 * 40)
-    want = run_policy(method, T, opts, d, L, k)
+    want = run_rule(method, T, opts, d, L, k)
     mesh = jax.make_mesh((8,), ("model",))
     Ls = jax.device_put(L, NamedSharding(mesh, P(None, None, "model")))
-    got = run_policy(method, T, opts, d, Ls, k, vocab_sharding=verify.VocabSharding(mesh, "model"))
+    got = run_rule(method, T, opts, d, Ls, k, vocab_sharding=verify.VocabSharding(mesh, "model"))
     assert_same(got, want, f"sharded {method} {opts}")
 
 
@@ -138,11 +139,12 @@ def test_vocab_and_batch_sharded_moves_only_partials():
     Ls = jax.device_put(L, NamedSharding(mesh, P("data", None, "model")))
     ds, ks = (jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (d, k))
     for method, T, opts in (CASES[0], CASES[5]):  # greedy, csd (one memory for rows on two devices)
-        want = run_policy(method, T, opts, d, L, k)
-        assert_same(run_policy(method, T, opts, ds, Ls, ks, vocab_sharding=sharding), want, f"{method} {opts}")
-    policy = verify.make_policy("fly", k=K, theta=0.0, window=1, vocab_sharding=sharding)
-    fn = jax.jit(lambda d, L, k: policy.verify((), d, L, k)[0])
-    ops = collectives(fn, ds, Ls, ks)
+        want = run_rule(method, T, opts, d, L, k)
+        assert_same(run_rule(method, T, opts, ds, Ls, ks, vocab_sharding=sharding), want, f"{method} {opts}")
+    rule = verify.Fly(theta=0.0, window=1)
+    fn = jax.jit(lambda d, L, k: rule((), d, L, num_draft_B=k)[0])
+    with verify.use_vocab_sharding(sharding):
+        ops = collectives(fn, ds, Ls, ks)
     assert len(ops) == 1 and "all-gather" in ops[0] and f"f32[2,4,{K + 1},8]" in ops[0], ops
 
 
@@ -172,9 +174,7 @@ def test_vocab_sharding_errors():
     with pytest.raises(ValueError, match="VocabSharding or None"):
         with verify.use_vocab_sharding((mesh, "model")):
             pass
-    with pytest.raises(ValueError, match="vocab_sharding must be"):
-        verify.make_policy("greedy", k=4, vocab_sharding=(mesh, "model"))
     with pytest.raises(ValueError, match="names no mesh axis"):
         verify.VocabSharding(mesh, ())
     one = verify.VocabSharding(jax.make_mesh((1,), ("model",)))
-    assert hash(verify.make_policy("fly", k=4, vocab_sharding=one))  # static under jit
+    assert hash(one) == hash(verify.VocabSharding(jax.make_mesh((1,), ("model",))))  # static under jit

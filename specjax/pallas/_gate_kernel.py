@@ -9,14 +9,14 @@ Two lowerings of the same online algebra (`_online.block_softmax`, `block_top`,
   the output blocks, which stay resident across it. Block shapes: block_n a
   multiple of 8 (16 for 16-bit logits) or all rows; block_v a multiple of 128 or
   the whole vocabulary. A partial last block reads unspecified values that the
-  column mask replaces by -inf; rows past N are never written back.
+  column mask replaces by -inf; rows past M are never written back.
 - "triton" (GPU): grid (rows, splits), one program per row and vocabulary split,
   a `fori_loop` over power-of-two blocks read with masked loads (`other=-inf`);
   the running state lives in registers, the top-3 / argmax update runs only for
   blocks whose max beats the running 3rd value, and the token's logit is one
   scalar load.
 
-Both write float32 partial statistics per split, [S, N] each; the splits (S > 1
+Both write float32 partial statistics per split, [Y, M] each; the splits (Y > 1
 lets a few long rows occupy many cores) are combined by `_online.combine_partials`.
 Nothing is padded or copied: logits are read exactly once.
 """
@@ -78,15 +78,15 @@ def _mosaic_kernel(tok_ref, x_ref, m_ref, s_ref, t_ref, v2_ref, v3_ref, arg_ref,
     tk_ref[...] += _online.block_token(x, col, tok_ref[...], keepdims=True)
 
 
-def _mosaic_partials(x_NxV, tok_N, *, block_v, block_n, num_splits, interpret):
-    N, V = x_NxV.shape
+def _mosaic_partials(x_MV, tok_M, *, block_v, block_n, num_splits, interpret):
+    M, V = x_MV.shape
     bv = V if V <= block_v else block_v
-    bn = N if N <= block_n else block_n
+    bn = M if M <= block_n else block_n
     nb = pl.cdiv(V, bv)
-    S = max(1, min(num_splits, nb))
-    bps = pl.cdiv(nb, S)
-    S = pl.cdiv(nb, bps)
-    grid = (S, pl.cdiv(N, bn), bps)
+    Y = max(1, min(num_splits, nb))
+    bps = pl.cdiv(nb, Y)
+    Y = pl.cdiv(nb, bps)
+    grid = (Y, pl.cdiv(M, bn), bps)
     kernel = functools.partial(_mosaic_kernel, vocab=V, block_v=bv, blocks_per_split=bps)
     x_spec = pl.BlockSpec((bn, bv), lambda s, i, j: (i, jnp.minimum(s * bps + j, nb - 1)))
     tok_spec = pl.BlockSpec((bn, 1), lambda s, i, j: (i, 0))
@@ -98,11 +98,11 @@ def _mosaic_partials(x_NxV, tok_N, *, block_v, block_n, num_splits, interpret):
         grid=grid,
         in_specs=[tok_spec, x_spec],
         out_specs=[out_spec] * _NUM_OUT,
-        out_shape=[_dispatch.out_struct((S, N, 1), jnp.float32, x_NxV, tok_N)] * _NUM_OUT,
+        out_shape=[_dispatch.out_struct((Y, M, 1), jnp.float32, x_MV, tok_M)] * _NUM_OUT,
         compiler_params=compiler_params,
         interpret=interpret,
         name="gate_stats_mosaic",
-    )(tok_N[:, None], x_NxV)
+    )(tok_M[:, None], x_MV)
     return [o[..., 0] for o in outs]
 
 
@@ -138,49 +138,49 @@ def _triton_kernel(tok_ref, x_ref, *out_refs, vocab, block_v, blocks_per_split):
         ref[...] = v
 
 
-def _triton_partials(x_NxV, tok_N, *, block_v, num_splits, interpret):
-    N, V = x_NxV.shape
+def _triton_partials(x_MV, tok_M, *, block_v, num_splits, interpret):
+    M, V = x_MV.shape
     bv = min(block_v, max(128, _next_pow2(V)))
     nb = pl.cdiv(V, bv)
-    S = num_splits if num_splits else pl.cdiv(_TARGET_PROGRAMS, N)
-    S = max(1, min(S, nb))
-    bps = pl.cdiv(nb, S)
-    S = pl.cdiv(nb, bps)
+    Y = num_splits if num_splits else pl.cdiv(_TARGET_PROGRAMS, M)
+    Y = max(1, min(Y, nb))
+    bps = pl.cdiv(nb, Y)
+    Y = pl.cdiv(nb, bps)
     kernel = functools.partial(_triton_kernel, vocab=V, block_v=bv, blocks_per_split=bps)
     compiler_params = _dispatch.compiler_params("triton", interpret, triton=dict(
         num_warps=4 if bv <= 2048 else 8, num_stages=2))
     out_spec = pl.BlockSpec((None, None), lambda i, s: (s, i))
     outs = pl.pallas_call(
         kernel,
-        grid=(N, S),
+        grid=(M, Y),
         in_specs=[pl.BlockSpec((None,), lambda i, s: (i,)),
                   pl.BlockSpec((None, V), lambda i, s: (i, 0))],
         out_specs=[out_spec] * _NUM_OUT,
-        out_shape=[_dispatch.out_struct((S, N), jnp.float32, x_NxV, tok_N)] * _NUM_OUT,
+        out_shape=[_dispatch.out_struct((Y, M), jnp.float32, x_MV, tok_M)] * _NUM_OUT,
         compiler_params=compiler_params,
         interpret=interpret,
         name="gate_stats_triton",
-    )(tok_N, x_NxV)
+    )(tok_M, x_MV)
     return outs
 
 
 @functools.partial(jax.jit, static_argnames=(
     "variant", "block_v", "block_n", "num_splits", "interpret"))
-def gate_partials_kernel(x_NxV, tok_N, *, variant, block_v, block_n=DEFAULT_BLOCK_N,
+def gate_partials_kernel(x_MV, tok_M, *, variant, block_v, block_n=DEFAULT_BLOCK_N,
                          num_splits=None, interpret=False) -> GatePartials:
-    """Partial statistics of each row of `x_NxV` (float, V >= 1) by the Pallas kernel.
+    """Partial statistics of each row of `x_MV` (float, V >= 1) by the Pallas kernel.
 
-    tok_N: int32 [N], column whose logit to report (any value; out of range gives 0).
-    Argmax indices are local to `x_NxV` (column 0 is index 0).
+    tok_M: int32 [M], column whose logit to report (any value; out of range gives 0).
+    Argmax indices are local to `x_MV` (column 0 is index 0).
     """
-    V = x_NxV.shape[1]
+    V = x_MV.shape[1]
     # Columns past V inside a partial block read as -inf: keep them from matching.
-    tok_N = jnp.where((tok_N >= 0) & (tok_N < V), tok_N, -1).astype(jnp.int32)
+    tok_M = jnp.where((tok_M >= 0) & (tok_M < V), tok_M, -1).astype(jnp.int32)
     if variant == "mosaic":
-        outs = _mosaic_partials(x_NxV, tok_N, block_v=block_v, block_n=block_n,
+        outs = _mosaic_partials(x_MV, tok_M, block_v=block_v, block_n=block_n,
                                 num_splits=num_splits or 1, interpret=interpret)
     else:
-        outs = _triton_partials(x_NxV, tok_N, block_v=block_v, num_splits=num_splits,
+        outs = _triton_partials(x_MV, tok_M, block_v=block_v, num_splits=num_splits,
                                 interpret=interpret)
     m, s, t, v2, v3, arg, tk = outs
     stacked = GatePartials(m, s, t, jnp.stack([m, v2, v3], -1), arg.astype(jnp.int32), tk)

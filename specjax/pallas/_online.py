@@ -33,7 +33,7 @@ MAX_VOCAB = 2**24  # indices are reduced as float32 inside the kernels
 
 
 class GatePartials(NamedTuple):
-    """Partial statistics of a set of logits (see module docstring); shapes [N] / [N, 3]."""
+    """Partial statistics of a set of logits (see module docstring); shapes [M] / [M, 3]."""
     max: jax.Array
     sum_exp: jax.Array
     sum_exp_shift: jax.Array
@@ -149,15 +149,15 @@ def combine_partials(p: GatePartials) -> GatePartials:
     s, t = _rescale(p.max, p.sum_exp, p.sum_exp_shift, M[None])
     first = jnp.argmax(p.max == M[None], axis=0)  # lowest split holding the max
     arg = jnp.take_along_axis(p.argmax, first[None], axis=0)[0]
-    S = p.top3.shape[0]
-    cand = jnp.moveaxis(p.top3, 0, -2).reshape(*p.top3.shape[1:-1], S * 3)
+    Y = p.top3.shape[0]
+    cand = jnp.moveaxis(p.top3, 0, -2).reshape(*p.top3.shape[1:-1], Y * 3)
     top3 = jax.lax.top_k(cand, 3)[0]
     return GatePartials(M, jnp.sum(s, 0), jnp.sum(t, 0), top3, arg.astype(jnp.int32),
                         jnp.sum(p.token_logit, 0))
 
 
 def finalize(p: GatePartials, vocab: int, tokens) -> GateStats:
-    """GateStats of whole rows from their partials; `tokens` None or int32 [N]."""
+    """GateStats of whole rows from their partials; `tokens` None or int32 [M]."""
     log_s = jnp.log(p.sum_exp)
     lse = p.max + log_s
     entropy = jnp.maximum(log_s - p.sum_exp_shift / p.sum_exp, 0.0)

@@ -1,6 +1,6 @@
 """Entropy-gate statistics of target logits: one read of [..., V] gives every rule its numbers.
 
-    stats = gate_stats(logits_BxKp1xV, draft_tokens_BxKp1)
+    stats = gate_stats(logits_BRV, draft_tokens_BR)
     stats.argmax                          # t[i] (lowest index on ties)
     stats.max_logit - stats.token_logit   # ASD regret r[i]
     stats.entropy_normalized, stats.entropy_top3   # SPEC.md "Entropy"
@@ -107,12 +107,12 @@ def _reference(logits, tokens) -> GateStats:
     )
 
 
-def gate_partials_reference(x_NxV, tok_N) -> GatePartials:
+def gate_partials_reference(x_MV, tok_M) -> GatePartials:
     """jnp partial statistics of each row (the kernel's output, computed directly).
 
-    tok_N: int32 [N] column index local to these rows (out of range contributes 0).
+    tok_M: int32 [M] column index local to these rows (out of range contributes 0).
     """
-    x = x_NxV.astype(jnp.float32)
+    x = x_MV.astype(jnp.float32)
     V = x.shape[-1]
     m = jnp.max(x, axis=-1)
     d = x - jnp.where(m == NEG_INF, 0.0, m)[:, None]
@@ -127,15 +127,15 @@ def gate_partials_reference(x_NxV, tok_N) -> GatePartials:
         sum_exp_shift=jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1),
         top3=top,
         argmax=first_argmax(x, m),
-        token_logit=jnp.sum(jnp.where(col[None] == tok_N[:, None], x, 0.0), axis=-1),
+        token_logit=jnp.sum(jnp.where(col[None] == tok_M[:, None], x, 0.0), axis=-1),
     )
 
 
-def gate_partials(x_NxV, tok_N, *, impl="kernel", interpret=None, variant=None,
+def gate_partials(x_MV, tok_M, *, impl="kernel", interpret=None, variant=None,
                   block_v=None, block_n=None, num_splits=None) -> GatePartials:
-    """Partial statistics of rows [N, V] (kernel or jnp); used by the sharded path."""
+    """Partial statistics of rows [M, V] (kernel or jnp); used by the sharded path."""
     if impl == "reference":
-        return gate_partials_reference(x_NxV, tok_N)
+        return gate_partials_reference(x_MV, tok_M)
     variant = _dispatch.resolve_variant(variant)
     block_v = block_v or _gate_kernel.DEFAULT_BLOCK_V[variant]
     _gate_kernel.check_block_v(block_v, variant)
@@ -146,7 +146,7 @@ def gate_partials(x_NxV, tok_N, *, impl="kernel", interpret=None, variant=None,
     interpret = _dispatch.resolve_interpret(interpret)
     _dispatch.check_compiled_variant(variant, interpret)
     return _gate_kernel.gate_partials_kernel(
-        x_NxV, tok_N, variant=variant, block_v=block_v, block_n=block_n,
+        x_MV, tok_M, variant=variant, block_v=block_v, block_n=block_n,
         num_splits=num_splits, interpret=interpret)
 
 
@@ -166,12 +166,12 @@ def gate_stats(logits, tokens=None, *, impl=None, interpret=None, variant=None,
     if _dispatch.resolve_impl(impl) == "reference":
         return gate_stats_reference(logits, tokens)
     *lead, V = logits.shape
-    N = int(np.prod(lead, dtype=np.int64))
-    if N == 0:
+    M = int(np.prod(lead, dtype=np.int64))
+    if M == 0:
         return gate_stats_reference(logits, tokens)
-    x = jnp.reshape(logits, (N, V))
-    tok = (jnp.full((N,), -1, jnp.int32) if tokens is None
-           else jnp.reshape(tokens, (N,)).astype(jnp.int32))
+    x = jnp.reshape(logits, (M, V))
+    tok = (jnp.full((M,), -1, jnp.int32) if tokens is None
+           else jnp.reshape(tokens, (M,)).astype(jnp.int32))
     p = gate_partials(x, tok, impl="kernel", interpret=interpret, variant=variant,
                       block_v=block_v, block_n=block_n, num_splits=num_splits)
     stats = _online.finalize(p, V, None if tokens is None else tok)

@@ -1,23 +1,18 @@
-"""Cumulative-regret prefix selection: SPEC.md's ASD loop for a batch of rows.
+"""Cumulative-regret prefix selection: the ASD loop (docs/rules.md) for a batch of rows.
 
-    sel = regret_prefix(mismatch_BxK, regret_BxK, budget_left_B, gate=0.25, block_cap=2,
+    sel = regret_prefix(mismatch_BK, regret_BK, budget_left_B, gate=0.25, block_cap=2,
                         suffix="count", num_draft=k_B)
     sel.num_accepted    # n, int32 [B]
     sel.spent           # R_n = sum of regrets of mismatches in the accepted prefix, float32 [B]
     sel.budget_left     # budget_left - spent
     sel.num_loose       # mismatches in the accepted prefix, int32 [B]
 
-Per row (k = num_draft, K = k for the suffix weights, SPEC.md "asd"):
+The loop itself, one position for a vector of rows, is the rule's own page:
+`specjax.verify._asd` (`position`, with the names of docs/rules.md). This module
+holds only the mechanics around it: validation, the per-position codes, the
+[K, rows] layout with rows along lanes, padding, and the kernel/reference dispatch.
 
-    strict = g <= 0 or m <= 0; R = 0; c = 0; n = 0
-    for i in 0..k-1:
-        if mismatch[i]:
-            if strict or not loose_mask[i]: break      # loose_mask: optional, default all True
-            R_prev = R; R += r[i]; c += 1
-            if r[i] / q[i] > g or c > m or not (R_prev < budget_left and R <= budget_left): break
-        n = i + 1
-
-The kernel keeps that order of float32 additions (a sequential loop over the K
+The kernel keeps the loop's order of float32 additions (a sequential loop over the K
 positions, vectorised over 128 rows per program), so kernel, reference and a
 NumPy loop agree bit for bit, including at a budget spent down to exactly zero.
 """
@@ -58,53 +53,31 @@ def suffix_weights(suffix: str, num_draft_B, K: int):
     raise ValueError(f"suffix must be 'count', 'fraction' or an array of weights, got {suffix!r}")
 
 
-def _step(i, carry, code, r, q, budget, gate, cap, k, strict):
-    """One position of the ASD loop for a vector of rows (shared by kernel and reference).
-
-    code: int32, 0 = exact match, 1 = mismatch, 2 = mismatch refused by loose_mask.
-    Carry (all int32 / float32, no boolean vectors, for Mosaic): live (1 while the row
-    is still scanning), n, R (charged regret), c (mismatches charged), loose.
-    """
-    live, n, R, c, loose = carry
-    mis = code != 0
-    alive = (live != 0) & (i < k)                # padding past num_draft is never accepted
-    R_new = R + r
-    c_new = c + 1.0
-    fail = (strict | (code == 2) | (r / q > gate) | (c_new > cap)
-            | jnp.logical_not((R < budget) & (R_new <= budget)))
-    take = alive & mis & jnp.logical_not(fail)   # a loosely accepted mismatch
-    alive = alive & jnp.logical_not(mis & fail)
-    n = jnp.where(alive, i + 1, n)
-    R = jnp.where(take, R_new, R)
-    c = jnp.where(take, c_new, c)
-    loose = jnp.where(take, loose + 1, loose)
-    return jnp.where(alive, 1, 0), n, R, c, loose
-
-
-def _init_carry(shape):
-    return (jnp.ones(shape, jnp.int32), jnp.zeros(shape, jnp.int32),
-            jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape, jnp.int32))
+def _asd():
+    """The ASD loop's step lives with the rule (`specjax.verify._asd.position`); imported
+    when a kernel is traced, since `specjax.verify` itself imports this package."""
+    from specjax.verify import _asd
+    return _asd
 
 
 def _kernel(code_ref, r_ref, q_ref, budget_ref, gate_ref, cap_ref, k_ref,
             n_ref, spent_ref, loose_ref, *, K):
     budget, gate, cap, k = budget_ref[...], gate_ref[...], cap_ref[...], k_ref[...]
+    asd = _asd()
     strict = (gate <= 0) | (cap <= 0)
-    carry = _init_carry(budget.shape)
+    scan = asd.start(budget.shape)
     for i in range(K):  # K is small and static: unrolled, static row slices only
-        carry = _step(i, carry, code_ref[i:i + 1, :], r_ref[i:i + 1, :], q_ref[i:i + 1, :],
-                      budget, gate, cap, k, strict)
-    _, n, R, _, loose = carry
-    n_ref[...] = n
-    spent_ref[...] = R
-    loose_ref[...] = loose
+        scan = asd.position(i, scan, code_ref[i:i + 1, :], r_ref[i:i + 1, :], q_ref[i:i + 1, :],
+                            budget, gate, cap, k, strict)
+    n_ref[...] = scan.n
+    spent_ref[...] = scan.spent
+    loose_ref[...] = scan.loose
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "variant"))
-def _regret_prefix_kernel(code_BxK, r_BxK, q_BxK, budget_B, gate_B, cap_B, k_B, *, interpret,
+def _regret_prefix_kernel(code_BK, r_BK, q_BK, budget_B, gate_B, cap_B, k_B, *, interpret,
                           variant):
-    B, K = code_BxK.shape
+    B, K = code_BK.shape
     Kp = max(8, 1 << (K - 1).bit_length())   # sublane multiple of 8 and a power of two
     Bp = pl.cdiv(B, _LANES) * _LANES
 
@@ -116,7 +89,7 @@ def _regret_prefix_kernel(code_BxK, r_BxK, q_BxK, budget_B, gate_B, cap_B, k_B, 
 
     kb_spec = pl.BlockSpec((Kp, _LANES), lambda b: (0, b))
     row_spec = pl.BlockSpec((1, _LANES), lambda b: (0, b))
-    like = (code_BxK, r_BxK, q_BxK, budget_B, gate_B, cap_B, k_B)
+    like = (code_BK, r_BK, q_BK, budget_B, gate_B, cap_B, k_B)
     n, spent, loose = pl.pallas_call(
         functools.partial(_kernel, K=K),
         grid=(Bp // _LANES,),
@@ -130,24 +103,25 @@ def _regret_prefix_kernel(code_BxK, r_BxK, q_BxK, budget_B, gate_B, cap_B, k_B, 
             mosaic=dict(dimension_semantics=("parallel",))),
         interpret=interpret,
         name="regret_prefix",
-    )(kb(code_BxK, jnp.int32), kb(r_BxK, jnp.float32), kb(q_BxK, jnp.float32),
+    )(kb(code_BK, jnp.int32), kb(r_BK, jnp.float32), kb(q_BK, jnp.float32),
       row(budget_B, jnp.float32), row(gate_B, jnp.float32), row(cap_B, jnp.float32),
       row(k_B, jnp.int32))
     return n[0, :B], spent[0, :B], loose[0, :B]
 
 
 @jax.jit
-def _regret_prefix_scan(code_BxK, r_BxK, q_BxK, budget_B, gate_B, cap_B, k_B):
+def _regret_prefix_scan(code_BK, r_BK, q_BK, budget_B, gate_B, cap_B, k_B):
+    asd = _asd()
     strict = (gate_B <= 0) | (cap_B <= 0)
 
-    def body(carry, xs):
+    def body(scan, xs):
         i, code, r, q = xs
-        return _step(i, carry, code, r, q, budget_B, gate_B, cap_B, k_B, strict), None
+        return asd.position(i, scan, code, r, q, budget_B, gate_B, cap_B, k_B, strict), None
 
-    K = code_BxK.shape[1]
-    xs = (jnp.arange(K, dtype=jnp.int32), code_BxK.T, r_BxK.T, q_BxK.T)
-    (_, n, R, _, loose), _ = lax.scan(body, _init_carry(budget_B.shape), xs)
-    return n, R, loose
+    K = code_BK.shape[1]
+    xs = (jnp.arange(K, dtype=jnp.int32), code_BK.T, r_BK.T, q_BK.T)
+    scan, _ = lax.scan(body, asd.start(budget_B.shape), xs)
+    return scan.n, scan.spent, scan.loose
 
 
 def _prepare(mismatch, regret, budget_left, gate, block_cap, suffix, num_draft, loose_mask):
@@ -190,13 +164,13 @@ def _prepare(mismatch, regret, budget_left, gate, block_cap, suffix, num_draft, 
         k_B = jnp.clip(per_row("num_draft", nd, jnp.int32), 0, K)
     mis = jnp.reshape(mismatch, (B, K)).astype(jnp.bool_)
     if loose_mask is None:
-        code = mis.astype(jnp.int32)
+        code = jnp.where(mis, _asd().MISMATCH, _asd().MATCH).astype(jnp.int32)
     else:
         if tuple(getattr(loose_mask, "shape", ())) != tuple(mismatch.shape):
             raise ValueError(f"loose_mask must have the shape of mismatch {tuple(mismatch.shape)}, "
                              f"got {tuple(getattr(loose_mask, 'shape', ()))}")
         allowed = jnp.reshape(loose_mask, (B, K)).astype(jnp.bool_)
-        code = jnp.where(mis, jnp.where(allowed, 1, 2), 0).astype(jnp.int32)
+        code = jnp.where(mis, jnp.where(allowed, _asd().MISMATCH, _asd().VETOED), _asd().MATCH).astype(jnp.int32)
     r = jnp.reshape(regret, (B, K)).astype(jnp.float32)
     if isinstance(suffix, str):
         q = suffix_weights(suffix, k_B, K)

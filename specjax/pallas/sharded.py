@@ -1,10 +1,10 @@
 """Gate statistics of vocabulary-sharded logits, without gathering the logits.
 
-Each device holds logits [rows, V / S] (S = size of `vocab_axis`). Inside
+Each device holds logits [rows, V / Y] (Y = size of `vocab_axis`). Inside
 `jax.shard_map` it computes the partial statistics of its slice (kernel or jnp),
 shifts its argmax to global indices, and the devices exchange those partials
 (8 floats per row) with one `all_gather` over `vocab_axis`. Every device then
-combines the S partials in vocabulary order (max, rescaled sum-exp and
+combines the Y partials in vocabulary order (max, rescaled sum-exp and
 shifted sum, lowest-index argmax, top-3 merge, the one shard's token logit)
 and finalises, so the result is replicated over `vocab_axis` and the full
 [rows, V] logits never exist on one device.
@@ -82,7 +82,7 @@ def gate_stats_sharded(logits, tokens=None, *, mesh: Mesh, vocab_axis, row_axis=
     """`gate_stats` of logits [..., V] sharded over V on `mesh` axis `vocab_axis`.
 
     V must divide evenly over `vocab_axis`. row_axis: mesh axis (or axes) the flattened
-    rows are sharded on (None: rows replicated); N must divide evenly over it. The
+    rows are sharded on (None: rows replicated); M must divide evenly over it. The
     result is sharded over `row_axis` and replicated over `vocab_axis`. impl: None
     (kernel on GPU/TPU, jnp partials on CPU), "kernel" or "reference"; the other
     options are those of `gate_stats`.
@@ -90,15 +90,15 @@ def gate_stats_sharded(logits, tokens=None, *, mesh: Mesh, vocab_axis, row_axis=
     check_inputs(logits, tokens)
     *lead, V = logits.shape
     lead = tuple(lead)
-    N = int(np.prod(lead, dtype=np.int64))
-    S = _axis_size(mesh, vocab_axis)
-    if V % S:
+    M = int(np.prod(lead, dtype=np.int64))
+    Y = _axis_size(mesh, vocab_axis)
+    if V % Y:
         raise ValueError(f"vocabulary size {V} does not divide over mesh axis {vocab_axis!r} "
-                         f"of size {S}; pad the vocabulary (with -inf logits) to a multiple of {S}")
+                         f"of size {Y}; pad the vocabulary (with -inf logits) to a multiple of {Y}")
     if row_axis is not None:
-        R = _axis_size(mesh, row_axis)
-        if N % R:
-            raise ValueError(f"{N} rows do not divide over mesh axis {row_axis!r} of size {R}")
+        row_shards = _axis_size(mesh, row_axis)
+        if M % row_shards:
+            raise ValueError(f"{M} rows do not divide over mesh axis {row_axis!r} of size {row_shards}")
     impl = _dispatch.resolve_impl(impl)
     if tokens is None:
         tokens = jnp.full(lead, -1, jnp.int32)
@@ -116,9 +116,9 @@ def gate_stats_sharded(logits, tokens=None, *, mesh: Mesh, vocab_axis, row_axis=
 def _sharded(logits, tokens, *, mesh, vocab_axis, row_axis, has_tokens, impl, interpret,
              variant, block_v, block_n, num_splits):
     *lead, V = logits.shape
-    N = math.prod(lead)
-    x = jnp.reshape(logits, (N, V))
-    tok = jnp.reshape(tokens, (N,)).astype(jnp.int32)
+    M = math.prod(lead)
+    x = jnp.reshape(logits, (M, V))
+    tok = jnp.reshape(tokens, (M,)).astype(jnp.int32)
 
     def local(x_nxv, tok_n):
         v_local = x_nxv.shape[1]
@@ -128,7 +128,7 @@ def _sharded(logits, tokens, *, mesh, vocab_axis, row_axis, has_tokens, impl, in
         p = gate_partials(x_nxv, tok_local, impl=impl, interpret=interpret, variant=variant,
                           block_v=block_v, block_n=block_n, num_splits=num_splits)
         p = p._replace(argmax=p.argmax + offset)
-        # [S, n, 8] in vocabulary order, the same (invariant) on every device of the axis
+        # [Y, n, 8] in vocabulary order, the same (invariant) on every device of the axis
         gathered = lax.all_gather(_pack(p), vocab_axis, to="invarying")
         combined = _online.combine_partials(_unpack(gathered))
         return _online.finalize(combined, V, tok_n if has_tokens else None)

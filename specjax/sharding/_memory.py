@@ -53,8 +53,7 @@ def memory_report(engine, batch_size: int, max_len: int | None = None) -> dict[s
     if d_cfg is not None:
         caches["draft_cache"] = (d_cfg, model.dtype, "draft_cache")
     report = {}
-    target_params, draft_params = getattr(engine, "placed_params", (engine.target.params, engine.draft_params))
-    for name, tree in (("target_params", target_params), ("draft_params", draft_params)):
+    for name, tree in (("target_params", engine.params.target), ("draft_params", engine.params.draft)):
         report[name] = max_bytes_per_device(tree) if jax.tree.leaves(tree) else 0
     for name, (cfg, dtype, kind) in caches.items():
         shapes = jax.eval_shape(lambda c=cfg, d=dtype: llama.init_cache(c, batch_size, S, d))

@@ -1,7 +1,8 @@
 """Acceptance rules (SPEC.md): pure, jit-able, vmap-friendly functions.
 
 Each rule verifies one sequence (draft_tokens int[K], target_logits [K+1, V]);
-jax.vmap gives the batch. make_policy wraps a rule and its state for the engine.
+jax.vmap gives the batch. The rule objects (`Greedy()`, `Fly(theta=0.2)`, ...) hold a
+rule's options and state and verify a batch; the engine takes them as its method.
 Every rule reads the logits through `row_stats`, which takes its statistics from
 `specjax.pallas` (fused kernels on GPU/TPU; `use_vocab_sharding` for logits
 sharded over the vocabulary on a mesh).
@@ -13,14 +14,25 @@ from specjax.verify._csd import csd, csd_batch
 from specjax.verify._csd_memory import CSDMemory, csd_count, csd_memory, load_csd_memory, save_csd_memory
 from specjax.verify._fly import fly
 from specjax.verify._greedy import greedy
-from specjax.verify._policy import METHODS, Policy, make_policy
+from specjax.verify._rules import (ALIASES, METHODS, RULES, Asd, Csd, Fly, Greedy, Round, RoundCounts, Rule,
+                                   Sampling, Typical, rule)
 from specjax.verify._sampling import speculative_sampling
 from specjax.verify._typical import typical
 
 __all__ = [
+    "ALIASES",
+    "Asd",
     "CSDMemory",
+    "Csd",
+    "Fly",
+    "Greedy",
     "METHODS",
-    "Policy",
+    "RULES",
+    "Round",
+    "RoundCounts",
+    "Rule",
+    "Sampling",
+    "Typical",
     "RowStats",
     "Verdict",
     "VocabSharding",
@@ -32,8 +44,8 @@ __all__ = [
     "fly",
     "greedy",
     "load_csd_memory",
-    "make_policy",
     "row_stats",
+    "rule",
     "save_csd_memory",
     "speculative_sampling",
     "typical",

@@ -1,12 +1,29 @@
 """asd (Approximate Speculative Decoding): mismatches paid from a request-level regret budget.
 
-The logits give the exact flags and the regrets (one `row_stats` pass); SPEC.md's
-loop itself is `specjax.pallas.regret_prefix` (a Pallas kernel on GPU/TPU, a
-`lax.scan` on CPU), which adds the regrets in the loop's order, so the ledger is
-the loop's float32 sum bit for bit.
+The rule, per sequence (docs/rules.md, "asd"):
+
+    r[i] = max(L[i]) - L[i][d[i]]                   regret of draft i
+    q[i] = K - i ("count") or (K - i) / K ("fraction")
+    strict = g <= 0 or m <= 0
+    R = 0; c = 0; n = 0
+    for i in 0..K-1:
+        if not ex[i]:
+            if strict: break
+            R_prev = R; R += r[i]; c += 1
+            if r[i] / q[i] > g or c > m or not (R_prev < budget_left and R <= budget_left): break
+        n = i + 1
+    budget_left' = budget_left - R
+
+`position` below is one step of that loop, written once for a vector of rows; the
+Pallas kernel (`specjax.pallas.regret_prefix`, GPU/TPU) and its `lax.scan`
+reference (CPU) both run it, in the loop's order of float32 additions, so the
+ledger is the loop's sum bit for bit. `asd` reads the logits once (`row_stats`)
+for the exact flags and the regrets and hands them to that selection.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +33,40 @@ from specjax.verify import _common
 from specjax.verify._common import Verdict
 
 SUFFIXES = ("count", "fraction")
+
+# Per-position codes of the selection's input: an exact match, a mismatch, or a mismatch
+# another rule vetoes before it is charged (loose_mask False, e.g. FLy's entropy gate).
+MATCH, MISMATCH, VETOED = 0, 1, 2
+
+
+class Scan(NamedTuple):
+    """The loop's variables for a vector of rows (int32 / float32 only: Mosaic has no bool vectors)."""
+
+    live: jax.Array  # 1 while the row is still scanning, else 0
+    n: jax.Array  # accepted prefix length
+    spent: jax.Array  # R: regret charged so far (float32)
+    c: jax.Array  # mismatches charged so far (float32, compared with m)
+    loose: jax.Array  # mismatches accepted
+
+
+def start(shape) -> Scan:
+    return Scan(jnp.ones(shape, jnp.int32), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32))
+
+
+def position(i, s: Scan, code, r, q, budget_left, g, m, k, strict) -> Scan:
+    """Position i of the loop for every row: code (MATCH / MISMATCH / VETOED), regret r,
+    suffix weight q, budget_left, gate g, cap m, num_draft k, strict = g <= 0 or m <= 0."""
+    mismatch = code != MATCH
+    scanning = (s.live != 0) & (i < k)  # padding past num_draft is never accepted
+    R_prev, R = s.spent, s.spent + r
+    c = s.c + 1.0
+    refused = (strict | (code == VETOED) | (r / q > g) | (c > m)
+               | jnp.logical_not((R_prev < budget_left) & (R <= budget_left)))
+    loose = scanning & mismatch & jnp.logical_not(refused)  # a loosely accepted mismatch
+    scanning = scanning & jnp.logical_not(mismatch & refused)  # break
+    return Scan(live=jnp.where(scanning, 1, 0), n=jnp.where(scanning, i + 1, s.n), spent=jnp.where(loose, R, s.spent),
+                c=jnp.where(loose, c, s.c), loose=jnp.where(loose, s.loose + 1, s.loose))
 
 
 def check_options(fn: str, *, gate, block_cap, suffix, temperature=0.0) -> None:
@@ -32,7 +83,7 @@ def asd(draft_tokens, target_logits, budget_left, *, gate=0.25, block_cap=2, suf
 
     draft_tokens int[K], target_logits float[K+1, V], budget_left float32[].
     loose_mask bool[K] (optional) lets another rule veto loose acceptance of a
-    mismatch before it is charged (e.g. FLy's entropy gate, see the policy layer).
+    mismatch before it is charged (e.g. FLy's entropy gate, see `verify.Asd(theta=...)`).
     """
     fn = "asd"
     check_options(fn, gate=gate, block_cap=block_cap, suffix=suffix, temperature=temperature)

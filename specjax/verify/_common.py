@@ -50,7 +50,7 @@ class VocabSharding:
     Each device then reduces its slice of V and the devices exchange 8 floats per
     row (`pallas.gate_stats_sharded`); no device gathers whole rows of logits.
     batch_axis: the mesh axis (or axes) the batch of rows is sharded on (e.g. "data"), passed
-    to the policy layer's vmaps as `spmd_axis_name` so rows stay on their devices;
+    to the rules' vmaps as `spmd_axis_name` so rows stay on their devices;
     it needs Auto mesh axes. With None (the default) the batch is replicated
     across the other mesh axes for the statistics (correct, more traffic).
     """
@@ -90,7 +90,7 @@ def use_vocab_sharding(sharding: VocabSharding | None):
             verdict = jax.jit(jax.vmap(verify.fly))(drafts_BK, logits_BKV)
 
     Like `pallas.set_impl`, it acts when a function is traced: enter it around the
-    first call of a jitted function (`Policy` does this for its `vocab_sharding`).
+    first call of a jitted function (the engine's program does this on a mesh).
     None: the plain, unsharded statistics.
     """
     if sharding is not None and not isinstance(sharding, VocabSharding):

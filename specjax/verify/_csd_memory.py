@@ -22,8 +22,8 @@ EMPTY = -1  # key of a free slot; token ids are >= 0
 
 
 class CSDMemory(NamedTuple):
-    keys: jax.Array  # int32[2C, 2]: (draft_token, target_token), EMPTY where free
-    counts: jax.Array  # int32[2C]
+    keys: jax.Array  # int32[C, 2], C = 2 * capacity slots: (draft_token, target_token), EMPTY where free
+    counts: jax.Array  # int32[C]
     filled: jax.Array  # int32[]: pairs stored, at most C
     dropped: jax.Array  # int32[]: increments lost because the table was full
 
@@ -38,70 +38,70 @@ class CSDMemory(NamedTuple):
         return {(int(a), int(b)): int(c) for (a, b), c in zip(keys[used], counts[used])}
 
 
-def _home(a, b, S: int):
-    """Home slot of a pair: a murmur-style mix of both token ids, mod S."""
+def _home(a, b, C: int):
+    """Home slot of a pair: a murmur-style mix of both token ids, mod C."""
     x = a.astype(jnp.uint32) * jnp.uint32(0x9E3779B1) + b.astype(jnp.uint32) * jnp.uint32(0x85EBCA77)
     x = (x ^ (x >> 15)) * jnp.uint32(0xC2B2AE35)
     x = x ^ (x >> 13)
-    return (x % jnp.uint32(S)).astype(jnp.int32)
+    return (x % jnp.uint32(C)).astype(jnp.int32)
 
 
-def _find(keys_S2, a, b):
+def _find(keys_C2, a, b):
     """Probes for (a, b): (slot, hit, free); free marks the first empty slot of its run."""
-    S = keys_S2.shape[0]
-    home = _home(a, b, S)
+    C = keys_C2.shape[0]
+    home = _home(a, b, C)
 
     def look(i):
-        slot = (home + i) % S
-        key = keys_S2[slot]
+        slot = (home + i) % C
+        key = keys_C2[slot]
         return slot, (key[0] == a) & (key[1] == b), key[0] == EMPTY
 
     def probing(i):
         _, hit, free = look(i)
-        return (i < S) & ~hit & ~free
+        return (i < C) & ~hit & ~free
 
     i = jax.lax.while_loop(probing, lambda i: i + 1, jnp.int32(0))
-    slot, hit, free = look(jnp.minimum(i, S - 1))
-    return slot, hit & (i < S), free & (i < S)
+    slot, hit, free = look(jnp.minimum(i, C - 1))
+    return slot, hit & (i < C), free & (i < C)
 
 
-def lookup(memory: CSDMemory, a_N, b_N) -> jax.Array:
+def lookup(memory: CSDMemory, a_E, b_E) -> jax.Array:
     """Counts of the pairs (a[e], b[e]); 0 for pairs not stored."""
-    slot_N, hit_N, _ = jax.vmap(_find, (None, 0, 0))(memory.keys, a_N, b_N)
-    return jnp.where(hit_N, memory.counts[slot_N], 0)
+    slot_E, hit_E, _ = jax.vmap(_find, (None, 0, 0))(memory.keys, a_E, b_E)
+    return jnp.where(hit_E, memory.counts[slot_E], 0)
 
 
-def add(memory: CSDMemory, pairs_N2, inc_N) -> CSDMemory:
+def add(memory: CSDMemory, pairs_E2, inc_E) -> CSDMemory:
     """Adds inc[e] to the count of pairs[e]; entries with inc <= 0 are skipped.
 
     New pairs are inserted in entry order (row-major for a batch), so a table
     that fills up keeps the earlier ones and drops the rest.
     """
-    a_N, b_N = pairs_N2[:, 0].astype(jnp.int32), pairs_N2[:, 1].astype(jnp.int32)
-    inc_N = inc_N.astype(jnp.int32)
-    S = memory.keys.shape[0]
-    slot_N, hit_N, _ = jax.vmap(_find, (None, 0, 0))(memory.keys, a_N, b_N)
-    want_N = inc_N > 0
+    a_E, b_E = pairs_E2[:, 0].astype(jnp.int32), pairs_E2[:, 1].astype(jnp.int32)
+    inc_E = inc_E.astype(jnp.int32)
+    C = memory.keys.shape[0]
+    slot_E, hit_E, _ = jax.vmap(_find, (None, 0, 0))(memory.keys, a_E, b_E)
+    want_E = inc_E > 0
     # Pairs already stored: one parallel scatter-add, duplicates add up.
-    counts_S = memory.counts.at[jnp.where(want_N & hit_N, slot_N, S)].add(inc_N, mode="drop")
+    counts_C = memory.counts.at[jnp.where(want_E & hit_E, slot_E, C)].add(inc_E, mode="drop")
     # New pairs compete for room: a short sequential loop over them only.
-    new_N = want_N & ~hit_N
-    order_N = jnp.argsort(~new_N, stable=True)  # new entries first, order kept
+    new_E = want_E & ~hit_E
+    order_E = jnp.argsort(~new_E, stable=True)  # new entries first, order kept
 
     def insert(carry):
-        j, keys_S2, counts_S, filled, dropped = carry
-        e = order_N[j]
-        slot, hit, free = _find(keys_S2, a_N[e], b_N[e])  # hit: an earlier entry inserted it
+        j, keys_C2, counts_C, filled, dropped = carry
+        e = order_E[j]
+        slot, hit, free = _find(keys_C2, a_E[e], b_E[e])  # hit: an earlier entry inserted it
         take = free & (filled < memory.capacity)
-        keys_S2 = keys_S2.at[slot].set(jnp.where(take, jnp.stack([a_N[e], b_N[e]]), keys_S2[slot]))
-        counts_S = counts_S.at[slot].add(jnp.where(hit | take, inc_N[e], 0))
-        dropped = dropped + jnp.where(hit | take, 0, inc_N[e])
-        return j + 1, keys_S2, counts_S, filled + take.astype(jnp.int32), dropped
+        keys_C2 = keys_C2.at[slot].set(jnp.where(take, jnp.stack([a_E[e], b_E[e]]), keys_C2[slot]))
+        counts_C = counts_C.at[slot].add(jnp.where(hit | take, inc_E[e], 0))
+        dropped = dropped + jnp.where(hit | take, 0, inc_E[e])
+        return j + 1, keys_C2, counts_C, filled + take.astype(jnp.int32), dropped
 
-    num_new = jnp.sum(new_N)
-    carry = (jnp.int32(0), memory.keys, counts_S, memory.filled, memory.dropped)
-    _, keys_S2, counts_S, filled, dropped = jax.lax.while_loop(lambda c: c[0] < num_new, insert, carry)
-    return CSDMemory(keys_S2, counts_S, filled, dropped)
+    num_new = jnp.sum(new_E)
+    carry = (jnp.int32(0), memory.keys, counts_C, memory.filled, memory.dropped)
+    _, keys_C2, counts_C, filled, dropped = jax.lax.while_loop(lambda c: c[0] < num_new, insert, carry)
+    return CSDMemory(keys_C2, counts_C, filled, dropped)
 
 
 _add_jit = jax.jit(add)
@@ -122,8 +122,8 @@ def csd_memory(capacity: int, pairs=None, counts=None) -> CSDMemory:
     fn = "csd_memory"
     if not isinstance(capacity, numbers.Integral) or isinstance(capacity, bool) or capacity < 1:
         raise ValueError(f"{fn}: capacity must be an int >= 1, got {capacity!r}")
-    S = 2 * int(capacity)
-    memory = CSDMemory(jnp.full((S, 2), EMPTY, jnp.int32), jnp.zeros((S,), jnp.int32), jnp.int32(0), jnp.int32(0))
+    C = 2 * int(capacity)
+    memory = CSDMemory(jnp.full((C, 2), EMPTY, jnp.int32), jnp.zeros((C,), jnp.int32), jnp.int32(0), jnp.int32(0))
     if pairs is None:
         if counts is not None:
             raise ValueError(f"{fn}: counts given without pairs")

@@ -1,0 +1,38 @@
+"""Prompts for the binaries: --prompt values, a --prompts_file, or a dataset (HumanEval, MT-Bench)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from absl import app
+
+DATASETS = ("mtbench", "humaneval")
+
+
+def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None, dataset: str | None,
+                 num: int | None, offset: int = 0) -> list[str]:
+    """--prompt values, then the lines of --prompts_file, then --dataset items [offset, offset + num)."""
+    out = list(prompts or [])
+    if prompts_file:
+        try:
+            with open(prompts_file, encoding="utf-8") as f:
+                out += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise app.UsageError(f"cannot read --prompts_file: {e}") from None
+    if dataset:
+        from specjax import data
+
+        if dataset not in DATASETS:
+            raise app.UsageError(f"unknown --dataset {dataset!r} (one of {', '.join(DATASETS)})")
+        try:
+            items = data.messages(dataset)
+        except (FileNotFoundError, ImportError) as e:
+            raise app.UsageError(f"--dataset {dataset}: {e}") from None
+        out += items[offset: None if num is None else offset + num]
+    elif num is not None:
+        out = out[offset: offset + num]
+    return out
+
+
+def encode(tokenizer, texts: Sequence[str], chat: bool = True) -> list[list[int]]:
+    return [tokenizer.chat_prompt_ids(t) if chat else tokenizer.encode(t) for t in texts]
