@@ -1,4 +1,4 @@
-"""Acceptance rules (SPEC.md): pure, jit-able, vmap-friendly functions.
+"""Acceptance rules (docs/rules.md): pure, jit-able, vmap-friendly functions.
 
 Each rule verifies one sequence (draft_tokens int[K], target_logits [K+1, V]);
 jax.vmap gives the batch. make_policy wraps a rule and its state for the engine.

@@ -1,7 +1,7 @@
 """asd (Approximate Speculative Decoding): mismatches paid from a request-level regret budget.
 
-The logits give the exact flags and the regrets (one `row_stats` pass); SPEC.md's
-loop itself is `specjax.pallas.regret_prefix` (a Pallas kernel on GPU/TPU, a
+The logits give the exact flags and the regrets (one `row_stats` pass); the loop of
+docs/rules.md itself is `specjax.pallas.regret_prefix` (a Pallas kernel on GPU/TPU, a
 `lax.scan` on CPU), which adds the regrets in the loop's order, so the ledger is
 the loop's float32 sum bit for bit.
 """
