@@ -1,4 +1,4 @@
-"""Acceptance rules (SPEC.md): pure, jit-able, vmap-friendly functions.
+"""Acceptance rules (docs/rules.md): pure, jit-able, vmap-friendly functions.
 
 Each rule verifies one sequence (draft_tokens int[K], target_logits [K+1, V]);
 jax.vmap gives the batch. The rule objects (`Greedy()`, `Fly(theta=0.2)`, ...) hold a

@@ -1,4 +1,4 @@
-"""Pieces every acceptance rule shares (SPEC.md, Notation and Entropy).
+"""Pieces every acceptance rule shares (docs/rules.md, Notation and Entropy).
 
 `row_stats` is the one place where rules read the logits: it takes every
 per-row statistic from `specjax.pallas.gate_stats` (the fused kernel on GPU/TPU,

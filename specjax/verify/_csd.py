@@ -2,8 +2,8 @@
 
 A mismatch (d, t) is loosely accepted when the memory has seen it more than
 min_count times and the target's logit of d is within log(tau) of its max.
-Counts are read from the table as at the start of the round (SPEC.md shows
-this equals the sequential scan), so the rule is a gather, a prefix scan and a
+Counts are read from the table as at the start of the round (docs/rules.md
+shows this equals the sequential scan), so the rule is a gather, a prefix scan and a
 scatter-add. Temperature 0 only.
 """
 

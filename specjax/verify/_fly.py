@@ -1,6 +1,6 @@
 """fly (FLy): a mismatch is loosely accepted behind an entropy gate and a deferred window.
 
-Two variants (SPEC.md): rule="paper" is the paper's formula, rule="reference"
+Two variants (docs/rules.md): rule="paper" is the paper's formula, rule="reference"
 is what the published code does (W - 1 window matches, gate off at theta <= 0.01).
 At T > 0 the exact flags are the lossless speculative-sampling accepts.
 """

@@ -1,4 +1,4 @@
-"""greedy (alias "exact"): accept the longest prefix that matches the target's argmax."""
+"""greedy (alias "exact"): accept the longest prefix that matches the target's argmax (docs/rules.md)."""
 
 from __future__ import annotations
 

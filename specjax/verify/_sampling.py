@@ -1,4 +1,4 @@
-"""speculative_sampling: lossless rejection sampling at T > 0 (SPEC.md).
+"""speculative_sampling: lossless rejection sampling at T > 0 (docs/rules.md).
 
 Key use is part of the contract: `ku, kr = split(key)`, `u = uniform(ku, (K,))`
 for the acceptance tests and `categorical(kr, .)` for the token after the
