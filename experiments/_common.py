@@ -15,30 +15,34 @@ try:  # imported as experiments._common (tests, python -m) or as _common (script
     from experiments._calibration_files import load_asd_calibration, load_csd_memory, save_csd_memory
     from experiments._cli import Null, Ticker, log, machine
     from experiments._models import RANDOM, byte_tokenizer, draft_model, load_model, random_tiny, resolve_draft
-    from experiments._prompts import DATASETS, encode, read_prompts
+    from experiments._prompts import DATASETS, define_prompt_flags, encode, read_prompts
     from experiments._reports import divergence, first_difference, jsonable, pareto, write_csv
     from experiments._rule_flags import (apply_calibration, define_calibration_flags,
                                          define_calibration_source_flags, define_rule_flags, make_engine,
                                          parse_method_spec, parse_option, rule_options, rule_options_from_flags,
                                          validate_calibration_source_flags)
     from experiments._runs import Run, chunks, compile_for, run
-    from experiments import _rule_flags as flag_module  # defines the shared flags (adopt_module_key_flags)
+    from experiments import _prompts, _rule_flags
 except ImportError:
     from _calibration_files import load_asd_calibration, load_csd_memory, save_csd_memory
     from _cli import Null, Ticker, log, machine
     from _models import RANDOM, byte_tokenizer, draft_model, load_model, random_tiny, resolve_draft
-    from _prompts import DATASETS, encode, read_prompts
+    from _prompts import DATASETS, define_prompt_flags, encode, read_prompts
     from _reports import divergence, first_difference, jsonable, pareto, write_csv
     from _rule_flags import (apply_calibration, define_calibration_flags, define_calibration_source_flags,
                              define_rule_flags, make_engine, parse_method_spec, parse_option, rule_options,
                              rule_options_from_flags, validate_calibration_source_flags)
     from _runs import Run, chunks, compile_for, run
-    import _rule_flags as flag_module
+    import _prompts
+    import _rule_flags
+
+# the modules that define the shared flags: a binary adopts them so that --help lists them
+FLAG_MODULES = (_prompts, _rule_flags)
 
 __all__ = [
     "DATASETS", "RANDOM", "Null", "Run", "Ticker", "apply_calibration", "byte_tokenizer", "chunks", "compile_for",
-    "define_calibration_flags", "define_calibration_source_flags", "define_rule_flags", "divergence",
-    "draft_model", "encode", "flag_module", "first_difference", "jsonable", "load_asd_calibration", "load_csd_memory",
+    "define_calibration_flags", "define_calibration_source_flags", "define_prompt_flags", "define_rule_flags", "divergence",
+    "FLAG_MODULES", "draft_model", "encode", "first_difference", "jsonable", "load_asd_calibration", "load_csd_memory",
     "load_model", "log", "machine", "make_engine", "pareto", "parse_method_spec", "parse_option", "random_tiny",
     "read_prompts", "resolve_draft", "rule_options", "rule_options_from_flags", "run", "save_csd_memory",
     "validate_calibration_source_flags", "write_csv",

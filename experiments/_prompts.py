@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from absl import app
+from absl import app, flags
 
 DATASETS = ("mtbench", "humaneval")
+
+
+def define_prompt_flags(*, dataset: str | None, num_prompts: int | None, prompt: bool = False) -> None:
+    """--prompts_file, --dataset, --num_prompts, --prompt_offset, --chat (and --prompt, repeatable)."""
+    if prompt:
+        flags.DEFINE_multi_string("prompt", None, "A prompt (repeat the flag for several).")
+    flags.DEFINE_string("prompts_file", None, "A text file with one prompt per line"
+                        + ("." if dataset is None else " (replaces --dataset)."))
+    flags.DEFINE_enum("dataset", dataset, list(DATASETS), "Prompts from MT-Bench or HumanEval"
+                      + (" (added to the others)." if dataset is None else " (unless --prompts_file)."))
+    flags.DEFINE_integer("num_prompts", num_prompts, "Keep this many prompts (after --prompt_offset).")
+    flags.DEFINE_integer("prompt_offset", 0, "Skip this many prompts first.")
+    flags.DEFINE_boolean("chat", True, "Wrap each prompt in the model's chat template.")
 
 
 def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None, dataset: str | None,

@@ -105,11 +105,7 @@ def define_calibration_source_flags(num_prompts: int = 40, max_new_tokens: int =
     flags.DEFINE_string("model", models.DEFAULT_PRESET, f"Target model (preset, .gguf, HF directory, {_models.RANDOM}[:SEED]).")
     flags.DEFINE_string("draft", None, "Draft model (preset, .gguf, HF directory, random:tiny[:SEED]) or self:N. "
                         "Required.")
-    flags.DEFINE_enum("dataset", "mtbench", list(_prompts.DATASETS), "Prompt source (unless --prompts_file).")
-    flags.DEFINE_string("prompts_file", None, "Text file, one prompt per line (replaces --dataset).")
-    flags.DEFINE_integer("num_prompts", num_prompts, "Calibration prompts: the first N after --prompt_offset.")
-    flags.DEFINE_integer("prompt_offset", 0, "Skip this many prompts first.")
-    flags.DEFINE_boolean("chat", True, "Wrap prompts in the chat template.")
+    _prompts.define_prompt_flags(dataset="mtbench", num_prompts=num_prompts)
     flags.DEFINE_integer("max_new_tokens", max_new_tokens, "Greedy continuation length per prompt (EOS may stop "
                          "earlier).")
     flags.DEFINE_integer("batch_size", 4, "Prompts per greedy-decoding call.")

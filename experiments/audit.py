@@ -74,7 +74,8 @@ _OUT = flags.DEFINE_string("output_dir", None, "Directory for audit.md, audit.cs
 _PROMPT_BUCKET = flags.DEFINE_integer("prompt_bucket", 128, "Prompts are padded to a multiple of this many "
                                       "tokens: one compiled program per method and bucket, not per length.")
 C.define_calibration_flags()
-flags.adopt_module_key_flags(C.flag_module)  # --help lists the shared flags
+for _module in C.FLAG_MODULES:  # --help lists the shared flags
+    flags.adopt_module_key_flags(_module)
 flags.mark_flag_as_required("output_dir")
 
 def generate_one(engine, ids):

@@ -34,7 +34,7 @@ _DRAFTS = flags.DEFINE_list("drafts", ["pld"], "Drafters: pld, self:N, a preset/
                             "or pld+<preset/path> (FLy's multi-level).")
 _METHODS = flags.DEFINE_list("methods", ["exact", "fly", "fly-published", "asd", "csd", "typical"],
                             "Verification methods; fly-published is fly with rule=reference, entropy=top3 "
-                            "(SPEC.md: the published code's behaviour).")
+                            "(docs/rules.md: the published code's behaviour).")
 PUBLISHED_FLY = {"rule": "reference", "entropy": "top3"}
 _K = flags.DEFINE_integer("k", 8, "Draft tokens per round.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")

@@ -42,6 +42,8 @@ except ImportError:
     import _rounds as R
 
 C.define_calibration_source_flags(num_prompts=40, max_new_tokens=128)
+for _module in C.FLAG_MODULES:  # --help lists the shared flags
+    flags.adopt_module_key_flags(_module)
 _K = flags.DEFINE_integer("k", 8, "Draft tokens per block K (calibrate at the K you will run).")
 _PERCENTILE = flags.DEFINE_float("percentile", 25.0, "Percentile of the values for budget and gate "
                                  "(25 as published).")

@@ -36,6 +36,8 @@ except ImportError:
     import _rounds as R
 
 C.define_calibration_source_flags(num_prompts=40, max_new_tokens=128)
+for _module in C.FLAG_MODULES:  # --help lists the shared flags
+    flags.adopt_module_key_flags(_module)
 _POSITIONS = flags.DEFINE_enum("positions", "all", ["all", "rounds"],
                                "all: every drafted position; rounds: first mismatch of each exact round (--k).")
 _K = flags.DEFINE_integer("k", 8, "Draft length for --positions rounds and for --eval_prompts.")

@@ -1,8 +1,9 @@
 r"""Generates text with specjax and prints it with its statistics.
 
-    python experiments/generate.py                          # SmolLM2 default, a built-in prompt
+    python experiments/generate.py                          # SmolLM2, prompt lookup + FLy, beside target-only
     python experiments/generate.py --prompt "Write a quicksort in Python." --max_new_tokens 200
-    python experiments/generate.py --draft pld --method fly --theta 0.3 --window 6
+    python experiments/generate.py --draft none             # target-only decoding alone
+    python experiments/generate.py --draft pld --method asd --budget 4
     python experiments/generate.py --model qwen2.5-coder-1.5b-instruct \
         --draft qwen2.5-coder-0.5b-instruct --method csd --csd_memory /tmp/csd_memory
     python experiments/generate.py --model path/to/model.gguf --prompts_file prompts.txt --batch_size 4
@@ -10,7 +11,10 @@ r"""Generates text with specjax and prints it with its statistics.
 Prompts run `--batch_size` at a time (default one by one): each text is printed as
 its batch finishes, with a progress line on stderr; a batch is one compiled program,
 so while it runs only its elapsed time is shown. Compilation is done (and timed)
-before generating. Rule options (--theta, --budget, ...) are passed only when set.
+before generating; compiled programs are kept on disk, so a second run with the same
+shapes starts at once. With a draft, target-only decoding runs on the same prompts
+too (--compare) and its tokens/s are printed beside the method's. Rule options
+(--theta, --budget, ...) are passed only when set.
 """
 
 from __future__ import annotations
@@ -29,18 +33,15 @@ except ImportError:
 _MODEL = flags.DEFINE_string("model", models.DEFAULT_PRESET,
                              f"Target: a preset ({', '.join(models.PRESETS)}), a .gguf file, a Hugging Face "
                              f"directory, or {C.RANDOM}[:SEED] (a tiny random model, for tests).")
-_DRAFT = flags.DEFINE_string("draft", "none", "Drafter: none (target-only decoding) | pld (prompt lookup) | "
+_DRAFT = flags.DEFINE_string("draft", "pld", "Drafter: none (target-only decoding) | pld (prompt lookup) | "
                              "self:N (the target's first N layers) | a model like --model | pld+<model> "
                              "(FLy's multi-level drafting).")
-_METHOD = flags.DEFINE_enum("method", "greedy", list(verify.METHODS),
+_METHOD = flags.DEFINE_enum("method", "fly", list(verify.METHODS),
                             "Verification rule (greedy = exact); loose rules need a draft.")
+_COMPARE = flags.DEFINE_boolean("compare", True, "With a draft, also run target-only decoding on the same prompts "
+                                "and print both speeds (each program compiled before anything is timed).")
 _K = flags.DEFINE_integer("k", 8, "Draft tokens per round.")
-_PROMPT = flags.DEFINE_multi_string("prompt", None, "A prompt (repeat the flag for several).")
-_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "A text file with one prompt per line.")
-_DATASET = flags.DEFINE_enum("dataset", None, list(C.DATASETS), "Add prompts from MT-Bench or HumanEval.")
-_NUM = flags.DEFINE_integer("num_prompts", None, "Keep this many prompts (after --prompt_offset).")
-_OFFSET = flags.DEFINE_integer("prompt_offset", 0, "Skip this many dataset prompts.")
-_CHAT = flags.DEFINE_boolean("chat", True, "Wrap each prompt in the model's chat template.")
+C.define_prompt_flags(dataset=None, num_prompts=None, prompt=True)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 96, "New tokens per prompt (EOS may stop earlier).")
 _IGNORE_EOS = flags.DEFINE_boolean("ignore_eos", False, "Generate exactly --max_new_tokens (as benchmarks do).")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy; > 0 samples (lossless rules only).")
@@ -53,7 +54,8 @@ _OUTPUT = flags.DEFINE_string("output", None, "Write prompts, texts, tokens and 
 _QUIET = flags.DEFINE_boolean("quiet", False, "No progress lines on stderr.")
 C.define_rule_flags()
 C.define_calibration_flags()
-flags.adopt_module_key_flags(C.flag_module)  # --help lists the shared flags
+for _module in C.FLAG_MODULES:  # --help lists the shared flags
+    flags.adopt_module_key_flags(_module)
 
 DEFAULT_PROMPTS = ["Write a Python function that checks whether a string is a palindrome."]
 
@@ -62,15 +64,17 @@ def _validate() -> None:
     for name, value in (("k", _K.value), ("max_new_tokens", _MAX_NEW.value), ("batch_size", _BATCH.value)):
         if value <= 0:
             raise app.UsageError(f"--{name} must be positive, got {value}")
-    if _NUM.value is not None and _NUM.value <= 0:
-        raise app.UsageError(f"--num_prompts must be positive, got {_NUM.value}")
-    if _OFFSET.value < 0:
-        raise app.UsageError(f"--prompt_offset must be >= 0, got {_OFFSET.value}")
+    if flags.FLAGS.num_prompts is not None and flags.FLAGS.num_prompts <= 0:
+        raise app.UsageError(f"--num_prompts must be positive, got {flags.FLAGS.num_prompts}")
+    if flags.FLAGS.prompt_offset < 0:
+        raise app.UsageError(f"--prompt_offset must be >= 0, got {flags.FLAGS.prompt_offset}")
     if flags.FLAGS.csd_memory and _METHOD.value != "csd":
         raise app.UsageError(f"--csd_memory is for --method csd, not {_METHOD.value}")
     if flags.FLAGS.asd_calibration and _METHOD.value != "asd":
         raise app.UsageError(f"--asd_calibration is for --method asd, not {_METHOD.value}")
-    if _DRAFT.value.lower() == "none" and (_METHOD.value not in ("greedy", "exact") or C.rule_options_from_flags()):
+    if _DRAFT.value.lower() == "none" and (_METHOD.value not in ("greedy", "exact", "fly")
+                                            or C.rule_options_from_flags()
+                                            or (_METHOD.value == "fly" and flags.FLAGS["method"].present)):
         raise app.UsageError(f"--method {_METHOD.value} and rule options need a --draft "
                              "(pld, self:N, a model, or pld+<model>); --draft none is target-only decoding")
 
@@ -81,19 +85,30 @@ def main(argv):
     _validate()
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     say = (lambda msg: None) if _QUIET.value else C.log
-    texts = C.read_prompts(_PROMPT.value, _PROMPTS_FILE.value, _DATASET.value, _NUM.value, _OFFSET.value)
+    texts = C.read_prompts(flags.FLAGS.prompt, flags.FLAGS.prompts_file, flags.FLAGS.dataset, flags.FLAGS.num_prompts, flags.FLAGS.prompt_offset)
     texts = texts or DEFAULT_PROMPTS
     target = C.load_model(_MODEL.value)
     draft = C.resolve_draft(_DRAFT.value, _MODEL.value)
-    options = C.apply_calibration(_METHOD.value, C.rule_options_from_flags(), target.config.vocab_size, _K.value)
+    method = _METHOD.value if draft is not None else "greedy"  # --draft none: target-only decoding
+    options = C.apply_calibration(method, C.rule_options_from_flags(), target.config.vocab_size, _K.value)
     extra = {"eos_ids": ()} if _IGNORE_EOS.value else {}
-    engine = C.make_engine(target, draft, _METHOD.value, _K.value, _MAX_NEW.value, temperature=_TEMPERATURE.value,
-                           top_p=_TOP_P.value, seed=_SEED.value, pld_match=_PLD_MATCH.value, **extra, **options)
+    common = dict(temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value, **extra)
+    engine = C.make_engine(target, draft, method, _K.value, _MAX_NEW.value, pld_match=_PLD_MATCH.value, **common,
+                           **options)
+    baseline = None
+    if draft is not None and _COMPARE.value:
+        baseline = C.make_engine(target, None, "greedy", _K.value, _MAX_NEW.value,
+                                 **{**common, "top_p": 1.0})
     tok = target.tokenizer
-    ids = C.encode(tok, texts, _CHAT.value)
-    say(f"{len(ids)} prompt(s), {_MAX_NEW.value} new tokens each, method {_METHOD.value}, draft {_DRAFT.value}"
+    ids = C.encode(tok, texts, flags.FLAGS.chat)
+    batches = C.chunks(ids, _BATCH.value)
+    widths = sorted({engine.prompt_width(batch) for batch in batches})
+    say(f"{len(ids)} prompt(s), {_MAX_NEW.value} new tokens each, method {method}, draft {_DRAFT.value}"
         + (f", k {_K.value}" if draft is not None else ""))
-    say("compiling the generation program ...")
+    programs = len(widths) * (2 if baseline is not None else 1)
+    say(f"compiling {programs} generation program(s): prompt width(s) {widths}"
+        + (", for the method and for target-only decoding" if baseline is not None else "")
+        + " (loaded from the compilation cache if compiled before) ...")
 
     def show(i, batch, out):
         for j, tokens in enumerate(out.tokens):
@@ -101,13 +116,22 @@ def main(argv):
             print(f"\n>>> {texts[n]}\n{tok.decode(tokens, skip_special_tokens=True)}", flush=True)
 
     with C.Ticker("compiling") if not _QUIET.value else C.Null():
-        compile_s = C.compile_for(engine, C.chunks(ids, _BATCH.value))
+        compile_s = C.compile_for(engine, batches)
+        if baseline is not None:
+            compile_s += C.compile_for(baseline, batches)
     say(f"compiled in {compile_s:.1f}s; generating ...")
     result = C.run(engine, ids, _BATCH.value, progress=not _QUIET.value, on_batch=show, warm=False)
     s = result.stats
     print(f"\n--- {len(ids)} prompt(s), {result.num_tokens} new tokens in {result.seconds:.2f}s "
-          f"({result.tokens_per_s:.1f} tokens/s), method={_METHOD.value}, draft={_DRAFT.value}, "
+          f"({result.tokens_per_s:.1f} tokens/s), method={method}, draft={_DRAFT.value}, "
           f"compile {compile_s:.1f}s")
+    if baseline is not None:
+        say("target-only decoding of the same prompts ...")
+        base = C.run(baseline, ids, _BATCH.value, warm=False)
+        print(f"target-only: {base.num_tokens} new tokens in {base.seconds:.2f}s ({base.tokens_per_s:.1f} tokens/s); "
+              f"{method} with {_DRAFT.value}: {result.tokens_per_s:.1f} tokens/s, "
+              f"{result.tokens_per_s / base.tokens_per_s:.2f}x, tau {s['tau']:.2f}"
+              + ("" if base.tokens == result.tokens else " (some outputs differ from target-only's)"))
     for key in ("tau", "rounds", "tau_per_request", "accepted_per_round", "accepted_per_position", "loose",
                 "mismatches_examined", "loose_share", "csd_memory_filled", "csd_memory_capacity",
                 "csd_memory_dropped", "ledger_spent_per_request"):
@@ -119,12 +143,13 @@ def main(argv):
                 value = [round(v, 3) for v in value]
             print(f"{key}: {value}")
     if _OUTPUT.value:
-        record = {"model": _MODEL.value, "draft": _DRAFT.value, "method": _METHOD.value, "k": _K.value,
+        record = {"model": _MODEL.value, "draft": _DRAFT.value, "method": method, "k": _K.value,
                   "options": {k: v for k, v in options.items() if k != "csd_memory"},
                   "csd_memory": flags.FLAGS.csd_memory, "max_new_tokens": _MAX_NEW.value,
                   "seconds": result.seconds, "compile_seconds": compile_s, "machine": C.machine(),
                   "prompts": texts, "texts": [tok.decode(t, skip_special_tokens=True) for t in result.tokens],
-                  "tokens": result.tokens, "stats": s}
+                  "tokens": result.tokens, "stats": s,
+                  "target_only": None if baseline is None else {"seconds": base.seconds, "tokens": base.tokens}}
         with open(_OUTPUT.value, "w", encoding="utf-8") as f:
             json.dump(C.jsonable(record), f, indent=1)
         say(f"wrote {_OUTPUT.value}")

@@ -11,7 +11,7 @@ Points: for each K in --ks, exact verification (method greedy) once, fly at ever
 given), csd at every min_count (with --csd_memory if given). Options not swept
 (--entropy, --rule, --block_cap, --suffix, --tau) are fixed for all points.
 
-Timing (SPEC.md, Metrics): target-only decoding with the same engine, prompts and
+Timing (docs/rules.md, Metrics): target-only decoding with the same engine, prompts and
 token budget runs before the first point and after every point; a point's speedup
 is its tokens/s over the mean of the baseline runs just before and after it, and
 the drift between those two is reported. Compilation is done before each timed
@@ -57,11 +57,7 @@ _RULE = flags.DEFINE_enum("rule", None, ["paper", "reference"], "fly: rule (fixe
 _BLOCK_CAP = flags.DEFINE_integer("block_cap", None, "asd: block cap (fixed; unset: default).")
 _SUFFIX = flags.DEFINE_enum("suffix", None, ["count", "fraction"], "asd: suffix weight (fixed; unset: default).")
 _TAU = flags.DEFINE_float("tau", None, "csd: consistency threshold (fixed; unset: default).")
-_DATASET = flags.DEFINE_enum("dataset", "mtbench", list(C.DATASETS), "Prompt source (unless --prompts_file).")
-_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "Text file, one prompt per line (replaces --dataset).")
-_NUM = flags.DEFINE_integer("num_prompts", 8, "Prompts: the first N after --prompt_offset.")
-_OFFSET = flags.DEFINE_integer("prompt_offset", 0, "Skip this many prompts first.")
-_CHAT = flags.DEFINE_boolean("chat", True, "Wrap prompts in the chat template.")
+C.define_prompt_flags(dataset="mtbench", num_prompts=8)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Token budget per prompt.")
 _STOP_AT_EOS = flags.DEFINE_boolean("stop_at_eos", True, "End at EOS (false: exactly --max_new_tokens).")
 _BATCH = flags.DEFINE_integer("batch_size", 1, "Prompts per generate call.")
@@ -70,7 +66,8 @@ _TIMEOUT = flags.DEFINE_float("exec_timeout", 10.0, "Seconds per HumanEval progr
 _BUDGET_MIN = flags.DEFINE_float("time_budget_minutes", 0.0, "Stop starting new points after this long (0: no limit).")
 _OUT = flags.DEFINE_string("output_dir", None, "Directory for sweep.csv, sweep.json and the plots. Required.")
 C.define_calibration_flags()
-flags.adopt_module_key_flags(C.flag_module)  # --help lists the shared flags
+for _module in C.FLAG_MODULES:  # --help lists the shared flags
+    flags.adopt_module_key_flags(_module)
 flags.mark_flag_as_required("output_dir")
 
 
@@ -126,27 +123,27 @@ def main(argv):
     for name in ("num_prompts", "max_new_tokens", "batch_size"):
         if flags.FLAGS[name].value <= 0:
             raise app.UsageError(f"--{name} must be positive, got {flags.FLAGS[name].value}")
-    if _PASS.value and (_PROMPTS_FILE.value or _DATASET.value != "humaneval"):
+    if _PASS.value and (flags.FLAGS.prompts_file or flags.FLAGS.dataset != "humaneval"):
         raise app.UsageError("--pass_at_1 needs --dataset humaneval (and no --prompts_file)")
     grid = points()
     logging.set_verbosity(logging.WARNING)
     out_dir = pathlib.Path(_OUT.value)
     out_dir.mkdir(parents=True, exist_ok=True)
-    dataset = None if _PROMPTS_FILE.value else _DATASET.value
-    texts = C.read_prompts(None, _PROMPTS_FILE.value, dataset, _NUM.value, _OFFSET.value)
+    dataset = None if flags.FLAGS.prompts_file else flags.FLAGS.dataset
+    texts = C.read_prompts(None, flags.FLAGS.prompts_file, dataset, flags.FLAGS.num_prompts, flags.FLAGS.prompt_offset)
     if not texts:
         raise app.UsageError("no prompts (check --prompt_offset / --num_prompts)")
     target = C.load_model(_MODEL.value)
     draft = C.resolve_draft(_DRAFT.value, _MODEL.value)
     if draft is None:
         raise app.UsageError("--draft none: a sweep compares speculative rules; give a drafter")
-    ids = C.encode(target.tokenizer, texts, _CHAT.value)
+    ids = C.encode(target.tokenizer, texts, flags.FLAGS.chat)
     extra = {} if _STOP_AT_EOS.value else {"eos_ids": ()}
     problems = None
     if _PASS.value:
         from specjax import data
 
-        problems = data.humaneval_problems(_OFFSET.value + _NUM.value)[_OFFSET.value:]
+        problems = data.humaneval_problems(flags.FLAGS.prompt_offset + flags.FLAGS.num_prompts)[flags.FLAGS.prompt_offset:]
 
     def pass_at_1(tokens):
         if problems is None:
@@ -194,8 +191,8 @@ def main(argv):
               f"divergence {row['divergence']:.2f}" + (f", pass@1 {passed:.3f}" if passed is not None else ""))
         before = after
     C.write_csv(out_dir / "sweep.csv", rows)
-    meta = {"model": _MODEL.value, "draft": _DRAFT.value, "dataset": dataset, "prompts_file": _PROMPTS_FILE.value,
-            "num_prompts": len(ids), "prompt_offset": _OFFSET.value, "max_new_tokens": _MAX_NEW.value,
+    meta = {"model": _MODEL.value, "draft": _DRAFT.value, "dataset": dataset, "prompts_file": flags.FLAGS.prompts_file,
+            "num_prompts": len(ids), "prompt_offset": flags.FLAGS.prompt_offset, "max_new_tokens": _MAX_NEW.value,
             "stop_at_eos": _STOP_AT_EOS.value, "batch_size": _BATCH.value, "machine": C.machine(),
             "seconds": time.perf_counter() - start, "rows": rows}
     (out_dir / "sweep.json").write_text(json.dumps(C.jsonable(meta), indent=1))

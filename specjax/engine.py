@@ -16,11 +16,22 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from specjax import drafters, loop, metrics, sharding, verify
+from specjax import compile_cache, drafters, loop, metrics, sharding, verify
 from specjax.models.model import Model
 
-_PROMPT_BUCKET = 16  # prompt lengths are padded to a multiple of this to limit recompiles
 _CACHE_BUCKET = 64
+
+
+def prompt_width(longest: int, bucket: int | None = None) -> int:
+    """The padded prompt width a program is compiled for: a multiple of `bucket`, or (None)
+    a geometric ladder 16, 32, 48, 64, 96, 128, 192, 256, 384, ... so that prompts of many
+    lengths share few programs (lengths 20..400: 9) while the padding stays under half."""
+    if bucket is not None:
+        return -(-longest // bucket) * bucket
+    width = 16
+    while width < longest:
+        width = width + 16 if width < 64 else width * 3 // 2 if width & (width - 1) == 0 else width * 4 // 3
+    return width
 
 
 @dataclasses.dataclass
@@ -46,8 +57,9 @@ class Engine:
     Beyond those: `eos_ids` overrides the tokens that end a row (default: the model's EOS;
     `()` generates exactly max_new_tokens, as benchmarks do), `pld_match` ("earliest" or
     "latest") picks prompt lookup's occurrence, and `prompt_bucket` is the multiple the
-    longest prompt is padded to (the program's shapes follow from it: a larger bucket
-    compiles fewer programs for prompts of many lengths, at the cost of a wider prefill).
+    longest prompt is padded to, or None for a geometric ladder of widths (`prompt_width`;
+    the program's shapes follow from the width, so fewer widths compile fewer programs).
+    Compiled programs are kept on disk (`specjax.compile_cache`).
     mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a
     `sharding.MeshConfig` (rules, attention "auto"/"replicate"/"pad", draft "shard"/"replicate");
     params are placed once, caches and logits are constrained inside the program, and the
@@ -57,9 +69,10 @@ class Engine:
     def __init__(self, target: Model, draft=None, method: str | verify.Rule = "greedy", k: int = 8,
                  max_new_tokens: int = 128, max_len: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, mesh=None, eos_ids: Sequence[int] | None = None,
-                 pld_match: str = "earliest", prompt_bucket: int = _PROMPT_BUCKET, **rule_options):
+                 pld_match: str = "earliest", prompt_bucket: int | None = None, **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
+        compile_cache.enable()  # a second process with the same shapes loads its programs
         mesh_config = None if mesh is None else sharding.MeshConfig.of(mesh)  # validated before compiling
         if mesh_config is not None:  # attention="pad": zero heads appended so that they divide the model axis
             target, draft = sharding.prepare_models(mesh_config, target, draft)
@@ -73,11 +86,13 @@ class Engine:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if max_len is not None and max_len <= 1:
             raise ValueError(f"max_len must be > 1, got {max_len}")
-        if not isinstance(prompt_bucket, (int, np.integer)) or isinstance(prompt_bucket, bool) or prompt_bucket < 1:
-            raise ValueError(f"prompt_bucket must be a positive integer, got {prompt_bucket!r}")
+        if prompt_bucket is not None and (not isinstance(prompt_bucket, (int, np.integer))
+                                          or isinstance(prompt_bucket, bool) or prompt_bucket < 1):
+            raise ValueError(f"prompt_bucket must be a positive integer or None, got {prompt_bucket!r}")
         if pld_match not in ("earliest", "latest"):
             raise ValueError(f"pld_match must be 'earliest' or 'latest', got {pld_match!r}")
-        self.target, self.k, self.prompt_bucket = target, int(k), int(prompt_bucket)
+        self.target, self.k = target, int(k)
+        self.prompt_bucket = None if prompt_bucket is None else int(prompt_bucket)
         self.max_new_tokens, self.max_len = int(max_new_tokens), max_len
         self.temperature, self.top_p, self.seed, self.mesh = float(temperature), float(top_p), seed, mesh
         self.eos_ids = tuple(int(e) for e in (target.eos_token_ids if eos_ids is None else eos_ids))
@@ -115,7 +130,7 @@ class Engine:
             lengths.append(len(arr))
         longest = max(lengths)
         needed = longest + self.max_new_tokens + self.k + 1  # room for a final K+1-token round
-        width = -(-longest // self.prompt_bucket) * self.prompt_bucket
+        width = prompt_width(longest, self.prompt_bucket)
         if self.max_len is None:  # from the padded width, so that all shapes follow from it
             max_len = -(-(width + needed - longest) // _CACHE_BUCKET) * _CACHE_BUCKET
         else:
@@ -161,15 +176,21 @@ class Engine:
             raise ValueError(f"rule_state does not match method {self.method!r}'s state: expected the structure "
                              f"{want}, got {got} (pass the rule_state of an earlier output of this engine)")
         given = jax.device_get(given)  # host arrays, like `fresh`: one comparison, one jit cache entry
+        # a CSD memory of any capacity is a valid start (its table's size is its own shape)
+        any_size = isinstance(given, verify.CSDMemory)
         for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(given)):
             a, b = np.asarray(a), np.asarray(b)
-            if a.shape != b.shape or a.dtype != b.dtype:
+            if (a.shape != b.shape and not any_size) or a.dtype != b.dtype:
                 raise ValueError(f"rule_state does not match method {self.method!r}'s state: an array of "
                                  f"{b.dtype}{list(b.shape)} where {a.dtype}{list(a.shape)} is expected "
                                  "(a batch of another size for ASD's per-request ledgers?)")
         return given
 
     # -- public --------------------------------------------------------------
+    def prompt_width(self, prompts: Sequence[Sequence[int]]) -> int:
+        """The padded prompt width these prompts compile for (one program per width)."""
+        return prompt_width(max(len(p) for p in prompts), self.prompt_bucket)
+
     def generate(self, prompts: Sequence[Sequence[int]], rule_state=None) -> GenerateOutput:
         """New tokens and statistics for each prompt (one compiled program for the whole batch).
 

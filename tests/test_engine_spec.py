@@ -133,6 +133,24 @@ def test_csd_memory_carries_on_across_calls(target, draft):
     assert again.stats["csd_memory_filled"] >= fresh.stats["csd_memory_filled"]
 
 
+def test_rule_objects_and_method_names_are_one_engine(target, draft):
+    """Engine(method=verify.Csd(...)) with a memory as rule_state is Engine(method="csd", csd_memory=...):
+    the memory is starting state, of whatever capacity it was built with."""
+    memory = specjax.Engine(target, draft=draft, method="csd", k=4, max_new_tokens=NEW, min_count=0,
+                            csd_memory=128).generate(PROMPTS[:2]).rule_state
+    by_name = specjax.Engine(target, draft=draft, method="csd", k=4, max_new_tokens=NEW, min_count=0,
+                             csd_memory=memory).generate(PROMPTS[2:])
+    by_object = specjax.Engine(target, draft=draft, method=specjax.verify.Csd(min_count=0), k=4,
+                               max_new_tokens=NEW).generate(PROMPTS[2:], rule_state=memory)
+    assert by_object.tokens == by_name.tokens and by_object.stats == by_name.stats
+    fly = specjax.Engine(target, draft=draft, method=specjax.verify.Fly(theta=0.1, window=2), k=4,
+                         max_new_tokens=NEW).generate(PROMPTS)
+    assert fly.tokens == specjax.Engine(target, draft=draft, method="fly", theta=0.1, window=2, k=4,
+                                        max_new_tokens=NEW).generate(PROMPTS).tokens
+    with pytest.raises(ValueError, match="rule object .* already holds its options"):
+        specjax.Engine(target, draft=draft, method=specjax.verify.Fly(), theta=0.2)
+
+
 def test_a_rule_state_of_another_kind_is_refused(target, draft):
     csd = specjax.Engine(target, draft=draft, method="csd", k=4, max_new_tokens=4, csd_memory=16)
     asd = specjax.Engine(target, draft=draft, method="asd", k=4, max_new_tokens=4)

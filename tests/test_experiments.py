@@ -66,7 +66,7 @@ HELP_FLAGS = {
 
 BAD_FLAGS = [
     ("generate", ["--k", "0"], "--k must be positive"),
-    ("generate", ["--method", "fly"], "need a --draft"),
+    ("generate", ["--draft", "none", "--method", "fly"], "need a --draft"),
     ("generate", [*TINY, "--draft", "self:1", "--method", "fly", "--budget", "3"], "does not apply to method 'fly'"),
     ("generate", ["--model", "no-such-preset"], "cannot load model"),
     ("calibrate_csd", ["--output", "/tmp/x"], "--draft"),

@@ -16,7 +16,7 @@ NEG = -np.inf
 
 
 def numpy_stats(x, tok):
-    """Float64 NumPy oracle of SPEC.md's entropy definitions."""
+    """Float64 NumPy oracle of docs/rules.md's entropy definitions."""
     x = np.asarray(x, np.float64)
     V = x.shape[-1]
     m = x.max(-1)

@@ -1,4 +1,4 @@
-"""Cumulative-regret prefix selection: kernel (interpret) == jnp reference == SPEC.md loop in NumPy."""
+"""Cumulative-regret prefix selection: kernel (interpret) == jnp reference == docs/rules.md loop in NumPy."""
 
 import sys
 
@@ -12,7 +12,7 @@ f32 = np.float32
 
 
 def spec_asd(mis, r, budget, gate, cap, suffix, k, allowed=None):
-    """SPEC.md's ASD loop, one row, float32 arithmetic (n, spent, num_loose); `allowed`
+    """the ASD loop of docs/rules.md, one row, float32 arithmetic (n, spent, num_loose); `allowed`
     is the optional loose_mask veto."""
     K = k
     strict = gate <= 0 or cap <= 0

@@ -1,4 +1,4 @@
-"""Invariants SPEC.md states between rules, and the transformations they must commute with."""
+"""Invariants docs/rules.md states between rules, and the transformations they must commute with."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_fly_theta_above_one_is_greedy(rule):
 
 
 def test_fly_theta_one_is_not_greedy_on_uniform_rows():
-    # SPEC.md: a uniform row has h = 1, so theta = 1 still lets its mismatch through.
+    # docs/rules.md: a uniform row has h = 1, so theta = 1 still lets its mismatch through.
     L = jnp.zeros((4, 5))
     d = jnp.array([1, 0, 0])  # t = 0 everywhere
     assert int(verify.fly(d, L, theta=1.0, window=2).num_accepted) == 3

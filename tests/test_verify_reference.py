@@ -1,10 +1,10 @@
-"""Plain NumPy reference of every rule, written loop by loop from SPEC.md.
+"""Plain NumPy reference of every rule, written loop by loop from docs/rules.md.
 
 It shares no code with specjax.verify. Probabilities and entropies are taken
-in float64 and rounded to float32 where SPEC.md compares them (rule arithmetic
+in float64 and rounded to float32 where docs/rules.md compares them (rule arithmetic
 is float32); logit differences and regret sums are float32 as in the rules.
 Random draws (u, Gumbel noise) are inputs, made by the tests with the key use
-SPEC.md fixes. `Cmp` records comparisons that land within float noise of their
+docs/rules.md fixes. `Cmp` records comparisons that land within float noise of their
 threshold: only such "fragile" cases may disagree with the jnp rules.
 
 The tests at the bottom pin the reference itself on hand-worked examples.
@@ -73,7 +73,7 @@ def plogp(p):
 
 
 def entropy(row, kind):
-    """SPEC.md Entropy: "normalized" in [0, 1] or "top3" in nats, as float32."""
+    """docs/rules.md Entropy: "normalized" in [0, 1] or "top3" in nats, as float32."""
     p = softmax64(row)
     V = len(p)
     if kind == "normalized":
@@ -143,7 +143,7 @@ def asd_ref(d, L, budget_left, *, gate, block_cap, suffix, cmp, allowed=None):
 
 def csd_ref(d, L, counts, *, min_count, tau, update, cmp, live=False, allowed=None):
     """CSD's scan. Reads the start-of-round `counts`, or with live=True the
-    counts as this scan updates them (SPEC.md claims both give the same n)."""
+    counts as this scan updates them (docs/rules.md claims both give the same n)."""
     K = len(d)
     t = [argmax(L[i]) for i in range(K + 1)]
     inc = {}
@@ -308,7 +308,7 @@ def test_csd_ref_counts_reached_mismatches_only():
 
 
 def test_csd_ref_start_of_round_reads_equal_live_reads():
-    # SPEC.md: counts only grow and a repeated pair is reached again only if its
+    # docs/rules.md: counts only grow and a repeated pair is reached again only if its
     # first occurrence passed, so the start-of-round table decides the same n.
     rng = np.random.default_rng(0)
     loose = 0

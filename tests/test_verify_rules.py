@@ -130,7 +130,7 @@ def agree(got, want, cmps, what):
 @jax.jit
 @jax.vmap
 def noise_fn(key):
-    """u and Gumbel noise as SPEC.md's key use draws them, for the largest bucket.
+    """u and Gumbel noise as docs/rules.md's key use draws them, for the largest bucket.
 
     Threefry draws are prefix-consistent (test_threefry_draws_are_prefix_consistent),
     so slicing them gives the draws of every smaller K and V with one compile.

@@ -3,7 +3,7 @@
 - `gate_stats`: one pass over [..., V] logits -> max, argmax, log-sum-exp, entropy
   (full, normalized, top-3) and a given token's logit (`GateStats`).
 - `gate_stats_sharded`: the same for logits sharded over V on a mesh axis.
-- `regret_prefix`: SPEC.md's ASD cumulative-regret prefix selection for a batch.
+- `regret_prefix`: docs/rules.md's ASD cumulative-regret prefix selection for a batch.
 
 `specjax.verify` reads every statistic its rules need through `gate_stats` (or
 `gate_stats_sharded` under `verify.use_vocab_sharding`), and ASD's prefix

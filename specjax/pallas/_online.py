@@ -175,7 +175,7 @@ def normalized_entropy(entropy, sum_exp, vocab: int):
     """entropy / log V clamped to [0, 1]; 0 when V == 1; exactly 1 for a uniform row.
 
     A row is uniform when every exp(x - max) is 1, i.e. sum_exp == V. Pinning it to 1
-    keeps SPEC.md's "a uniform row has h = 1" independent of how the compiler
+    keeps docs/rules.md's "a uniform row has h = 1" independent of how the compiler
     evaluates log. log V is a correctly rounded float32 constant (NumPy, float64).
     """
     if vocab == 1:

@@ -3,7 +3,7 @@
     stats = gate_stats(logits_BRV, draft_tokens_BR)
     stats.argmax                          # t[i] (lowest index on ties)
     stats.max_logit - stats.token_logit   # ASD regret r[i]
-    stats.entropy_normalized, stats.entropy_top3   # SPEC.md "Entropy"
+    stats.entropy_normalized, stats.entropy_top3   # docs/rules.md "Entropy"
 
 `gate_stats_reference` is the straightforward jnp version (softmax, top_k);
 `gate_stats` dispatches to the Pallas kernel or to it (see `_dispatch`).

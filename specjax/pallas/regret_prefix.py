@@ -197,7 +197,7 @@ def regret_prefix_reference(mismatch, regret, budget_left, *, gate=0.25, block_c
 
 def regret_prefix(mismatch, regret, budget_left, *, gate=0.25, block_cap=2, suffix="count",
                   num_draft=None, loose_mask=None, impl=None, interpret=None) -> RegretPrefix:
-    """Accepted length and budget spent of SPEC.md's ASD loop, for rows [..., K].
+    """Accepted length and budget spent of the ASD loop of docs/rules.md, for rows [..., K].
 
     mismatch: bool [..., K], `not ex[i]`. regret: float [..., K], r[i] = max L[i] - L[i][d[i]].
     budget_left: float32 scalar or [...]. gate g, block_cap m: scalars or [...]

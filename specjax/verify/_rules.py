@@ -63,8 +63,12 @@ def _field(default, help_text: str, choices: tuple | None = None):
 class Rule:
     """Base of the rule objects: options as fields, checked at construction."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # the method name
     sampling: ClassVar[bool] = False  # defined at temperature > 0
+
+    def __init_subclass__(cls, *, name: str, sampling: bool = False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.name, cls.sampling = name, sampling
 
     def __post_init__(self):
         fn = type(self).__name__
@@ -126,6 +130,15 @@ class Rule:
         return verdict, state, counts
 
     def _step(self, state, rnd: Round) -> tuple[Verdict, Any, jax.Array]:
+        """(verdict_B, new state, ledger charged f32[B]); a stateless rule verifies row by row."""
+        def row(d_K, L_RV, key, q_KV, k):
+            return self._row(d_K, L_RV, key, q_KV, k, rnd.temperature)
+
+        verdict = _common.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.q_BKV, rnd.k_B)
+        return verdict, state, jnp.zeros(verdict.num_accepted.shape, jnp.float32)
+
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature) -> Verdict:
+        """One sequence: the rule's per-sequence function (stateless rules)."""
         raise NotImplementedError
 
 
@@ -136,63 +149,39 @@ def _per_row(fn, name, value, B, dtype):
     return jnp.broadcast_to(x.astype(dtype), (B,))
 
 
-def _no_spend(verdict: Verdict) -> jax.Array:
-    return jnp.zeros(verdict.num_accepted.shape, jnp.float32)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Greedy(Rule):
+class Greedy(Rule, name="greedy"):
     """Exact verification ("greedy", also "exact"): output identical to the target's greedy decoding."""
 
-    name: ClassVar[str] = "greedy"
-
-    def _step(self, state, rnd):
-        verdict = _common.vmap(lambda d, L, k: _greedy.greedy(d, L, num_draft=k))(rnd.d_BK, rnd.L_BRV, rnd.k_B)
-        return verdict, state, _no_spend(verdict)
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature):
+        return _greedy.greedy(d_K, L_RV, num_draft=k)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Sampling(Rule):
+class Sampling(Rule, name="sampling", sampling=True):
     """Lossless speculative sampling (T > 0; greedy at T = 0)."""
 
-    name: ClassVar[str] = "sampling"
-    sampling: ClassVar[bool] = True
-
-    def _step(self, state, rnd):
-        def row(d, L, key, q, k):
-            return _sampling.speculative_sampling(d, L, key, draft_probs=q, temperature=rnd.temperature, num_draft=k)
-
-        verdict = _common.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.q_BKV, rnd.k_B)
-        return verdict, state, _no_spend(verdict)
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature):
+        return _sampling.speculative_sampling(d_K, L_RV, key, draft_probs=q_KV, temperature=temperature, num_draft=k)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Typical(Rule):
+class Typical(Rule, name="typical", sampling=True):
     """Medusa's typical acceptance (a baseline; greedy at T = 0)."""
-
-    name: ClassVar[str] = "typical"
-    sampling: ClassVar[bool] = True
     epsilon: float = _field(0.09, "typical: epsilon")
     delta: float = _field(0.3, "typical: delta")
 
     def check(self, fn):
         _typical.check_options(fn, epsilon=self.epsilon, delta=self.delta)
 
-    def _step(self, state, rnd):
-        def row(d, L, key, k):
-            return _typical.typical(d, L, key, epsilon=self.epsilon, delta=self.delta, temperature=rnd.temperature,
-                                    num_draft=k)
-
-        verdict = _common.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.k_B)
-        return verdict, state, _no_spend(verdict)
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature):
+        return _typical.typical(d_K, L_RV, key, epsilon=self.epsilon, delta=self.delta, temperature=temperature,
+                                num_draft=k)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Fly(Rule):
+class Fly(Rule, name="fly", sampling=True):
     """FLy: a mismatch passes where the target is unsure (entropy gate) and the next W drafts match."""
-
-    name: ClassVar[str] = "fly"
-    sampling: ClassVar[bool] = True
     theta: float = _field(0.3, "fly: entropy threshold (also gates asd/csd when set)")
     window: int = _field(6, "fly: deferred window W")
     entropy: str = _field("normalized", "fly: entropy kind", _common.ENTROPIES)
@@ -202,13 +191,9 @@ class Fly(Rule):
         _common.check_number(fn, "theta", self.theta)
         _fly.check_options(fn, theta=self.theta, window=self.window, entropy=self.entropy, rule=self.rule)
 
-    def _step(self, state, rnd):
-        def row(d, L, key, q, k):
-            return _fly.fly(d, L, theta=self.theta, window=self.window, entropy=self.entropy, rule=self.rule,
-                            temperature=rnd.temperature, draft_probs=q, key=key, num_draft=k)
-
-        verdict = _common.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.q_BKV, rnd.k_B)
-        return verdict, state, _no_spend(verdict)
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature):
+        return _fly.fly(d_K, L_RV, theta=self.theta, window=self.window, entropy=self.entropy, rule=self.rule,
+                        temperature=temperature, draft_probs=q_KV, key=key, num_draft=k)
 
 
 def _check_gate(fn, theta, entropy):
@@ -230,10 +215,8 @@ def _entropy_gate_BK(theta, entropy, rnd: Round):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Asd(Rule):
+class Asd(Rule, name="asd"):
     """ASD: mismatches paid from a per-request regret budget (the state: one ledger per row)."""
-
-    name: ClassVar[str] = "asd"
     budget: float = _field(8.0, "asd: request-level regret budget")
     gate: float = _field(0.25, "asd: per-mismatch regret gate g")
     block_cap: int = _field(2, "asd: loose mismatches per block m")
@@ -263,14 +246,12 @@ class Asd(Rule):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Csd(Rule):
+class Csd(Rule, name="csd"):
     """CSD: a mismatch passes when the memory has seen the pair often and the target finds it close.
 
     The memory is the rule's state: `init_state` gives an empty one of `capacity`
     pairs; a calibrated one is passed as starting state (`Engine.generate(rule_state=)`).
     """
-
-    name: ClassVar[str] = "csd"
     min_count: int = _field(6, "csd: memory count a pair must exceed (lambda)")
     tau: float = _field(0.01, "csd: consistency threshold (log-probability gap >= log tau)")
     update: bool = _field(True, "csd: update the memory online")
@@ -291,7 +272,7 @@ class Csd(Rule):
         verdict, memory = _csd.csd_batch(rnd.d_BK, rnd.L_BRV, memory, min_count=self.min_count, tau=self.tau,
                                          update=self.update, num_draft=rnd.k_B, active=rnd.active_B,
                                          loose_mask=_entropy_gate_BK(self.theta, self.entropy, rnd))
-        return verdict, memory, _no_spend(verdict)
+        return verdict, memory, jnp.zeros(verdict.num_accepted.shape, jnp.float32)
 
 
 RULES: dict[str, type[Rule]] = {cls.name: cls for cls in (Greedy, Sampling, Typical, Fly, Asd, Csd)}
