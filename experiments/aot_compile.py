@@ -13,7 +13,9 @@ while_loop of draft, score, verify, commit) with the Pallas kernels as compiled
 Mosaic kernels, and the TPU compiler compiles it. The table gives, per device, the
 planned parameters and KV caches and the compiled program's arguments, temporaries
 (the caches are made inside the program) and code from `memory_analysis()`, against
-the chip's HBM, and the number of Mosaic kernels in the compiled program.
+the chip's HBM, and the number of Mosaic kernels in the compiled program. The TPU
+compiler itself refuses a program whose temporaries exceed HBM; such a plan is
+reported with the compiler's figure (not fitting) rather than as an error.
 
 The prompts fill half of --max_len (the rest is the generation budget); --draft is
 none, pld, a model, or pld+MODEL (FLy's multi-level drafting). A draft with a
@@ -121,12 +123,13 @@ def main(argv):
         ("parameters (plan)", _gib(r.params_bytes)),
         ("KV caches (plan)", _gib(r.cache_bytes)),
         ("arguments (compiled)", _gib(r.argument_bytes)),
-        ("temporaries (compiled)", _gib(r.temp_bytes)),
+        ("temporaries (compiled)", _gib(r.temp_bytes) + ("" if r.compiled else " (the compiler's total minus parameters)")),
         ("outputs + code", _gib(r.output_bytes + r.code_bytes)),
         ("total per device", _gib(r.bytes_per_device)),
         ("HBM per chip", _gib(r.hbm_bytes)),
         ("fits", "yes" if r.fits else f"NO ({r.bytes_per_device / r.hbm_bytes:.2f}x HBM)"),
-        ("Mosaic kernels", str(r.mosaic_kernels)),
+        ("compiled", "yes" if r.compiled else f"no: {r.note}"),
+        ("Mosaic kernels", f"{r.mosaic_kernels}" + ("" if r.compiled else " (in the lowered program)")),
         ("compile time", f"{r.compile_seconds:.1f} s"),
     ]
     width = max(len(k) for k, _ in rows)

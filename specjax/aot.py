@@ -19,6 +19,7 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import math
+import os
 import re
 
 import jax
@@ -73,11 +74,16 @@ def topology_devices(topology: str) -> list:
                             f"e.g. {', '.join(EXAMPLE_TOPOLOGIES)}")
     hbm_bytes(topology)
     check_libtpu()
+    # libtpu takes a host-wide lock file by default; describing a topology uses no chip, so
+    # several compiling processes (tests in parallel, a binary under a test) may share it
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:
         desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
     except Exception as e:  # libtpu's message is long and generic; name the input
+        if "lockfile" in str(e):
+            raise RuntimeError(f"libtpu is locked by another process: {str(e).splitlines()[0][:300]}") from None
         raise TopologyError(f"unknown topology {topology!r} (libtpu: {str(e).splitlines()[0][:200]}); "
                             f"e.g. {', '.join(EXAMPLE_TOPOLOGIES)}") from None
     return list(desc.devices)
@@ -95,9 +101,17 @@ def topology_mesh(topology: str, mesh_shape: tuple[int, int] | None = None) -> M
     return Mesh(np.asarray(devices).reshape(shape), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
-def count_mosaic_kernels(hlo_text: str) -> int:
-    """Mosaic (Pallas TPU) custom calls in a compiled program's HLO text."""
-    return hlo_text.count(_MOSAIC_CALL)
+_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT]?)\) exceeds available HBM \(([\d.]+)([KMGT]?)\)")
+
+
+def _bytes(number: str, unit: str) -> int:
+    return int(float(number) * (1 << (10 * " KMGT".index(unit or " "))))
+
+
+def count_mosaic_kernels(text: str) -> int:
+    """Mosaic (Pallas TPU) custom calls in a compiled program's HLO text (or a lowered
+    program's StableHLO, where they are `stablehlo.custom_call @tpu_custom_call`)."""
+    return text.count(_MOSAIC_CALL) + text.count("@tpu_custom_call")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +129,12 @@ class CompileReport:
     code_bytes: int
     mosaic_kernels: int
     compile_seconds: float
+    # False when the TPU compiler refused the program for want of HBM (it checks at compile
+    # time): the total is then the compiler's "total memory required" from its message
+    # (temporaries = that total minus the planned parameters), and the
+    # Mosaic kernels are counted in the lowered program
+    compiled: bool = True
+    note: str = ""
 
     @property
     def bytes_per_device(self) -> int:
@@ -135,7 +155,25 @@ def compile_report(engine, prompts, topology: str) -> CompileReport:
     platform = mesh.devices.flat[0].platform
     # kernels for the mesh's platform, not the host's (eager ops, e.g. a rule's fresh state, stay on the host)
     with pallas.compile_for(platform):
-        compiled = engine.lower(prompts).compile()
+        lowered = engine.lower(prompts)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        message = str(e)
+        found = _OOM.search(message)
+        if "RESOURCE_EXHAUSTED" not in message or found is None:
+            raise
+        # the compiler's "total memory required" (it exceeds the parameters alone, so it counts them)
+        params = plan["target_params"] + plan["draft_params"]
+        temp = max(_bytes(found.group(1), found.group(2)) - params, 0)
+        return CompileReport(
+            chips=mesh.size, hbm_bytes=hbm_bytes(topology),
+            params_bytes=plan["target_params"] + plan["draft_params"],
+            cache_bytes=plan["target_cache"] + plan.get("draft_cache", 0),
+            argument_bytes=params, output_bytes=0, temp_bytes=temp,
+            alias_bytes=0, code_bytes=0, mosaic_kernels=count_mosaic_kernels(lowered.as_text()),
+            compile_seconds=time.perf_counter() - start, compiled=False,
+            note="the TPU compiler refused it: " + found.group(0))
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     return CompileReport(
