@@ -53,6 +53,9 @@ class Config:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    # Ids >= vocab_used are padding columns (a draft padded to its target's larger
+    # embedding table, `models.pad_vocab`): their logits are -inf. None: all are real.
+    vocab_used: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -64,6 +67,8 @@ class Config:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.vocab_used is not None and not 0 < self.vocab_used <= self.vocab_size:
+            raise ConfigError(f"vocab_used={self.vocab_used} must be in [1, vocab_size={self.vocab_size}]")
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ConfigError(f"rope_freqs has {len(self.rope_freq_factors)} entries, "
                               f"expected head_dim/2 = {self.head_dim // 2}")
@@ -114,13 +119,14 @@ _HF_IGNORED = {
     "output_attentions", "output_hidden_states", "return_dict", "tie_encoder_decoder", "is_decoder",
     "chunk_size_feed_forward", "id2label", "label2id", "problem_type", "tokenizer_class",
     "max_window_layers", "use_return_dict", "bos_token_id", "eos_token_id", "layer_types",
-    "rope_parameters", "name_or_path", "use_mrope",
+    "rope_parameters", "name_or_path", "use_mrope", "is_llama_config",
 }
 # Fields that change the computation, each with the only value we implement.
 _HF_REQUIRED_VALUES = {
     "hidden_act": ("silu",),
     "mlp_bias": (False,),
     "use_sliding_window": (False,),
+    "rope_interleaved": (False,),  # nanotron's flag; False is transformers' rotate_half
     "head_dim": None,  # checked below against hidden_size / num_heads or used as given
 }
 

@@ -165,6 +165,11 @@ class Transformer(nn.Module):
             head_DV = _weight(self, "lm_head", (c.hidden_size, c.vocab_size))
             logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, quant.materialize(head_DV, self.dtype),
                                     preferred_element_type=jnp.float32)
+        if c.vocab_used is not None and c.vocab_used < c.vocab_size:  # padding ids are never chosen
+            real_V = jnp.arange(c.vocab_size) < c.vocab_used
+            logits_BTV = jnp.where(real_V, logits_BTV, -jnp.inf)
+        # float32 where the logits leave the model: the rules' gates, entropies and ledgers
+        # are computed in float32 whatever the compute dtype (SPEC.md)
         return logits_BTV.astype(jnp.float32), (cache_k, cache_v)
 
 
@@ -192,8 +197,32 @@ def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=j
     return logits, KVCache(k, v, cache.lengths)
 
 
-def init_params(config: Config, seed: int = 0):
-    """Random parameters of the right shapes (tiny test models, random real-shape checks)."""
+def init_params(config: Config, seed: int = 0, dtype=jnp.float32):
+    """Random parameters of the right shapes (tiny test models, random real-shape checks),
+    stored in `dtype` (the cast is inside the jit: no float32 copy of the tree is kept)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    init = jax.jit(Transformer(config).init)  # eager Linen init of a scanned stack is slow
-    return init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
+
+    def init(key):  # eager Linen init of a scanned stack is slow
+        return cast_params(Transformer(config).init(key, tokens, tokens)["params"], dtype)
+
+    return jax.jit(init)(jax.random.PRNGKey(seed))
+
+
+def param_shapes(config: Config, dtype=jnp.float32):
+    """The parameter tree as `jax.ShapeDtypeStruct`s of `dtype` (nothing is allocated)."""
+    return jax.eval_shape(lambda: init_params(config, 0, dtype))
+
+
+def cast_params(params, dtype):
+    """Float arrays of `params` in `dtype`; block-quantized weights stay as they are (their
+    codes and scales dequantize to the compute dtype inside the forward)."""
+    dtype = jnp.dtype(dtype)
+
+    def one(x):
+        if isinstance(x, quant.BlockQuant) or not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)  # a host array is cast on the host: no float32 copy on the device
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, quant.BlockQuant))

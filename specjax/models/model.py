@@ -34,7 +34,7 @@ class Model:
     params: Any
     tokenizer: Any = None
     name: str = ""
-    dtype: Any = jnp.float32  # compute dtype; float32 params are cast inside the forward
+    dtype: Any = jnp.float32  # compute dtype: the float params and the KV caches are stored in it
     load_seconds: float | None = None  # wall time of the load that produced this model
     load_source: str | None = None  # "converted" (first load) or "orbax-cache"
 
@@ -61,8 +61,52 @@ def _logits(config, dtype, params, tokens_BT):
 
 
 def random_model(config: Config, seed: int = 0, dtype=jnp.float32) -> Model:
-    """A model with random weights (tests, and real-shape checks where no checkpoint is at hand)."""
-    return Model(config, llama.init_params(config, seed), None, f"random-{seed}", dtype)
+    """A model with random weights in `dtype` (tests, and real-shape checks where no checkpoint is at hand)."""
+    return Model(config, llama.init_params(config, seed, dtype), None, f"random-{seed}", dtype)
+
+
+def abstract(config: Config | str, dtype=jnp.float32) -> Model:
+    """A Model whose params are `jax.ShapeDtypeStruct`s (no memory): for `Engine(...).lower`,
+    the sharding plan and the memory report at real size. `config`: a Config, or a name
+    from `catalog.NAMES` (e.g. "llama-3.1-8b")."""
+    from specjax.models import catalog
+
+    name = config if isinstance(config, str) else "abstract"
+    if isinstance(config, str):
+        config = catalog.config(config)
+    return Model(config, llama.param_shapes(config, dtype), None, name, dtype)
+
+
+def is_abstract(params) -> bool:
+    """True when every leaf is a ShapeDtypeStruct (a model to compile, not to run)."""
+    leaves = jax.tree.leaves(params)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def pad_vocab(model: Model, vocab_size: int) -> Model:
+    """`model` with its embedding (and head) padded by zero columns to `vocab_size` ids, whose
+    logits are -inf (`Config.vocab_used`): a draft whose table is narrower than its target's
+    although the tokenizer is the same (Qwen2.5 0.5B/1.5B: 151936 ids; 7B: 152064)."""
+    c = model.config
+    if vocab_size == c.vocab_size:
+        return model
+    if vocab_size < c.vocab_size:
+        raise ValueError(f"cannot pad a vocabulary of {c.vocab_size} ids down to {vocab_size}")
+    extra = vocab_size - c.vocab_size
+
+    def pad(w):
+        if isinstance(w, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((*w.shape[:-1], vocab_size), w.dtype)
+        if isinstance(w, quant.BlockQuant):
+            raise ValueError("padding a block-quantized embedding or head is not supported")
+        return jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, extra)])
+
+    params = dict(model.params)
+    for name in ("embed", "lm_head"):
+        if name in params:
+            params[name] = pad(params[name])
+    config = dataclasses.replace(c, vocab_size=vocab_size, vocab_used=c.vocab_used or c.vocab_size)
+    return model.with_params(params, config=config)
 
 
 def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
@@ -105,7 +149,8 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
                   else convert.load_hf_dir(path)[1])
         if cache:
             _save(ckpt_dir, config, params)
-    params = jax.tree.map(jnp.asarray, params)
+    # stored in the compute dtype (cast on the host for converted arrays: no float32 device copy)
+    params = jax.tree.map(jnp.asarray, llama.cast_params(params, dtype))
     return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
 
 

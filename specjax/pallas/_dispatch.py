@@ -5,8 +5,13 @@ and `interpret=None | bool`. With `impl=None` the choice comes from, in order:
 `set_impl(...)`, the environment variable `SPECJAX_PALLAS` ("auto", "kernel",
 "reference"), then "auto": the compiled kernel on GPU and TPU, the jnp reference
 on CPU (the interpreter is slow). `interpret=None` interprets the kernel exactly
-when the default backend is neither GPU nor TPU, so `SPECJAX_PALLAS=kernel` forces
+when the target platform is neither GPU nor TPU, so `SPECJAX_PALLAS=kernel` forces
 the kernel everywhere, in interpret mode on CPU.
+
+The platform is the one the program is compiled for (`target_platform`): the
+default backend, unless `compile_for("tpu")` or a mesh of TPU devices in context
+(`jax.set_mesh`, as a deviceless AOT compilation for a TPU topology does) says
+otherwise; so a CPU host can compile the Mosaic kernels for a TPU.
 
 The choice is made when a function is traced: change it before calling `jax.jit`
 on code that uses these functions (or clear the jit caches).
@@ -14,6 +19,7 @@ on code that uses these functions (or clear the jit caches).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -22,6 +28,7 @@ ENV_VAR = "SPECJAX_PALLAS"
 _IMPLS = ("auto", "kernel", "reference")
 _VARIANTS = ("mosaic", "triton")
 _override: str | None = None
+_platform: str | None = None  # `compile_for`
 
 
 def set_impl(impl: str | None) -> str | None:
@@ -36,10 +43,37 @@ def set_impl(impl: str | None) -> str | None:
     return previous
 
 
+@contextlib.contextmanager
+def compile_for(platform: str | None):
+    """Within this block, kernels are chosen for `platform` ("tpu", "gpu", "cpu"; None: as
+    if outside), whatever the host's backend: deviceless AOT compilation for a TPU topology
+    from a CPU host traces the Mosaic variant, compiled, not interpreted."""
+    global _platform
+    if platform is not None and platform not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"platform must be 'cpu', 'gpu', 'tpu' or None, got {platform!r}")
+    previous, _platform = _platform, platform
+    try:
+        yield
+    finally:
+        _platform = previous
+
+
+def target_platform() -> str:
+    """The platform the traced program is compiled for, in order: `compile_for(...)`, the
+    devices of the mesh in context (`jax.set_mesh` over a TPU topology's devices, or a
+    `shard_map`'s mesh), then the default backend."""
+    if _platform is not None:
+        return _platform
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    return platform if platform else jax.default_backend()
+
+
 def accelerator() -> str | None:
-    """"gpu" or "tpu" when the default backend is one, else None."""
-    backend = jax.default_backend()
-    return backend if backend in ("gpu", "tpu") else None
+    """"gpu" or "tpu" when the program is compiled for one (`target_platform`), else None."""
+    platform = target_platform()
+    return platform if platform in ("gpu", "tpu") else None
 
 
 def resolve_impl(impl: str | None) -> str:
@@ -79,8 +113,10 @@ def check_compiled_variant(variant: str, interpret: bool) -> None:
         return
     backend = accelerator()
     if backend is None:
-        raise ValueError(f"the {jax.default_backend()} backend runs Pallas kernels only in "
-                         "interpret mode: pass interpret=True (or interpret=None)")
+        raise ValueError(f"the {target_platform()} backend runs Pallas kernels only in "
+                         "interpret mode: pass interpret=True (or interpret=None); to compile for a TPU "
+                         "topology from this host, trace under pallas.compile_for('tpu') or jax.set_mesh "
+                         "over the topology's devices")
     want = "triton" if backend == "gpu" else "mosaic"
     if variant != want:
         raise ValueError(f"variant {variant!r} does not compile on {backend}; use {want!r} "

@@ -101,7 +101,17 @@ def place(tree, shardings):
     With one process this is `jax.device_put`. With several (`jax.distributed`),
     every process must hold the same full values (the same checkpoint or seed);
     each builds the shards of its own devices with `jax.make_array_from_callback`.
+
+    Nothing is transferred where there is nothing to hold: `jax.ShapeDtypeStruct`
+    leaves (an abstract model) and any leaf bound for devices this host cannot
+    address (a TPU topology described on a CPU host, for AOT compilation) become
+    ShapeDtypeStructs carrying their sharding.
     """
+    leaves = jax.tree.leaves(tree)
+    shards = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves) or any(map(_deviceless, shards)):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x), sharding=s),
+                            tree, shardings)
     if jax.process_count() == 1:
         return jax.device_put(tree, shardings)
 
@@ -110,6 +120,19 @@ def place(tree, shardings):
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(one, tree, shardings)
+
+
+def _dtype_of(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def _deviceless(s: jax.sharding.Sharding) -> bool:
+    """True for a sharding over devices that no backend of this host runs (topology descriptions)."""
+    device = next(iter(s.device_set))
+    try:
+        return device not in jax.devices(device.platform)
+    except RuntimeError:  # no backend for that platform here
+        return True
 
 
 def describe(layout: Layout | None) -> str:

@@ -13,7 +13,7 @@ def _leaves_with_shardings(tree, shardings=None):
     leaves = jax.tree.leaves(tree)
     if shardings is None:  # host arrays count as one device's (jit puts them on the default device)
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return [(x, getattr(x, "sharding", one)) for x in leaves]
+        return [(x, getattr(x, "sharding", None) or one) for x in leaves]  # an unplaced ShapeDtypeStruct: one
     return list(zip(leaves, jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))))
 
 
