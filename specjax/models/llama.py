@@ -5,7 +5,7 @@ functions, `Transformer(config).apply({"params": params}, ...)`, inside jit.
 Layers are stacked on a leading axis and run with `nn.scan`, so compile time
 does not grow with depth and the KV cache is one array per K and V:
 
-    cache_k_LxBxSxGxDh, cache_v_LxBxSxGxDh, lengths_B
+    cache_k_NBSGDh, cache_v_NBSGDh, lengths_B
 
 Attention masks keys by position only (key j is visible to a query at
 position p iff j <= p), so rejected draft tokens never need erasing: the next
@@ -40,13 +40,9 @@ def _weight(module: nn.Module, name: str, shape):
 class KVCache(NamedTuple):
     """Preallocated per-layer keys and values and the committed length of each row."""
 
-    k: jax.Array  # [L, B, S, G, Dh]
-    v: jax.Array  # [L, B, S, G, Dh]
+    k: jax.Array  # [N, B, S, G, Dh]: N layers
+    v: jax.Array  # [N, B, S, G, Dh]
     lengths: jax.Array  # int32[B]: positions >= lengths[b] are not (yet) valid for row b
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
 
 
 def init_cache(config: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
@@ -65,15 +61,15 @@ class RMSNorm(nn.Module):
         return (scale.astype(jnp.float32) * y).astype(x.dtype)
 
 
-def apply_rope(x_BTNK, positions_BT, inv_freq_K2):
-    """Rotary embedding in transformers' half-split layout (rotate_half)."""
-    freqs_BTK2 = positions_BT[..., None].astype(jnp.float32) * inv_freq_K2
-    cos = jnp.cos(freqs_BTK2)[:, :, None, :]
-    sin = jnp.sin(freqs_BTK2)[:, :, None, :]
-    x = x_BTNK.astype(jnp.float32)
+def apply_rope(x_BTHDh, positions_BT, inv_freq):
+    """Rotary embedding in transformers' half-split layout (rotate_half); inv_freq: f32[Dh / 2]."""
+    freqs = positions_BT[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh / 2]
+    cos = jnp.cos(freqs)[:, :, None, :]
+    sin = jnp.sin(freqs)[:, :, None, :]
+    x = x_BTHDh.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BTNK.dtype)
+    return out.astype(x_BTHDh.dtype)
 
 
 class Block(nn.Module):
@@ -92,34 +88,34 @@ class Block(nn.Module):
         p = lambda name, shape: quant.materialize(_weight(self, name, shape), self.dtype)  # noqa: E731
 
         h_BTD = RMSNorm(c.rms_norm_eps, name="attn_norm")(x_BTD)
-        q_BTHK = jnp.einsum("btd,dhk->bthk", h_BTD, p("wq", (D, H, Dh)))
-        k_BTGK = jnp.einsum("btd,dgk->btgk", h_BTD, p("wk", (D, G, Dh)))
-        v_BTGK = jnp.einsum("btd,dgk->btgk", h_BTD, p("wv", (D, G, Dh)))
+        q_BTHDh = jnp.einsum("btd,dhk->bthk", h_BTD, p("wq", (D, H, Dh)))
+        k_BTGDh = jnp.einsum("btd,dgk->btgk", h_BTD, p("wk", (D, G, Dh)))
+        v_BTGDh = jnp.einsum("btd,dgk->btgk", h_BTD, p("wv", (D, G, Dh)))
         if c.qkv_bias:
-            q_BTHK += p("bq", (H, Dh))
-            k_BTGK += p("bk", (G, Dh))
-            v_BTGK += p("bv", (G, Dh))
+            q_BTHDh += p("bq", (H, Dh))
+            k_BTGDh += p("bk", (G, Dh))
+            v_BTGDh += p("bv", (G, Dh))
         inv_freq = jnp.asarray(c.inv_freq())
-        q_BTHK = apply_rope(q_BTHK, positions_BT, inv_freq)
-        k_BTGK = apply_rope(k_BTGK, positions_BT, inv_freq)
+        q_BTHDh = apply_rope(q_BTHDh, positions_BT, inv_freq)
+        k_BTGDh = apply_rope(k_BTGDh, positions_BT, inv_freq)
 
         if cache_k is None:  # full forward: attend over this call's tokens only
-            keys_BSGK, values_BSGK = k_BTGK, v_BTGK
+            keys_BSGDh, values_BSGDh = k_BTGDh, v_BTGDh
         else:  # write at each row's own offset, in place in the carried cache
             rows_B1 = jnp.arange(B)[:, None]
-            cache_k = cache_k.at[layer, rows_B1, write_pos_BT].set(k_BTGK.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[layer, rows_B1, write_pos_BT].set(v_BTGK.astype(cache_v.dtype), mode="drop")
-            keys_BSGK, values_BSGK = cache_k[layer], cache_v[layer]
-        S = keys_BSGK.shape[1]
+            cache_k = cache_k.at[layer, rows_B1, write_pos_BT].set(k_BTGDh.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[layer, rows_B1, write_pos_BT].set(v_BTGDh.astype(cache_v.dtype), mode="drop")
+            keys_BSGDh, values_BSGDh = cache_k[layer], cache_v[layer]
+        S = keys_BSGDh.shape[1]
 
-        q_BTGQK = q_BTHK.reshape(B, T, G, H // G, Dh)
-        scores = jnp.einsum("btgqk,bsgk->bgqts", q_BTGQK, keys_BSGK.astype(self.dtype),
+        q_BTGQDh = q_BTHDh.reshape(B, T, G, H // G, Dh)
+        scores = jnp.einsum("btgqk,bsgk->bgqts", q_BTGQDh, keys_BSGDh.astype(self.dtype),
                             preferred_element_type=jnp.float32) * (Dh ** -0.5)
         visible_BTS = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
         scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        attn_BTHK = jnp.einsum("bgqts,bsgk->btgqk", probs, values_BSGK.astype(self.dtype)).reshape(B, T, H, Dh)
-        x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", attn_BTHK, p("wo", (H, Dh, D)))
+        attn_BTHDh = jnp.einsum("bgqts,bsgk->btgqk", probs, values_BSGDh.astype(self.dtype)).reshape(B, T, H, Dh)
+        x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", attn_BTHDh, p("wo", (H, Dh, D)))
 
         h_BTD = RMSNorm(c.rms_norm_eps, name="mlp_norm")(x_BTD)
         gate_BTF = jnp.einsum("btd,df->btf", h_BTD, p("w_gate", (D, c.intermediate_size)))
@@ -169,7 +165,7 @@ class Transformer(nn.Module):
             real_V = jnp.arange(c.vocab_size) < c.vocab_used
             logits_BTV = jnp.where(real_V, logits_BTV, -jnp.inf)
         # float32 where the logits leave the model: the rules' gates, entropies and ledgers
-        # are computed in float32 whatever the compute dtype (SPEC.md)
+        # are computed in float32 whatever the compute dtype (docs/rules.md)
         return logits_BTV.astype(jnp.float32), (cache_k, cache_v)
 
 
