@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import sampling, verify
+from specjax import pallas, sampling, verify
 from specjax.metrics import Counters
 from specjax.models import llama
 from specjax.models.config import Config
@@ -157,7 +157,8 @@ class Program:
         logits_BRV, cache = self.score(params, fed_BR, state.cache, width)
         # verify (on a mesh, the rule reduces the vocabulary-sharded logits shard by shard)
         vocab_sharding = None if self.layout is None else self.layout.vocab_sharding
-        with verify.use_vocab_sharding(vocab_sharding) if vocab_sharding else contextlib.nullcontext():
+        with (verify.use_vocab_sharding(vocab_sharding) if vocab_sharding else contextlib.nullcontext(),
+              pallas.on_mesh(None if self.layout is None else self.layout.mesh)):
             verdict, rule_state, counts = self.rule(
                 state.rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
                 draft_probs_BKV=probs_BKV, temperature=self.temperature)

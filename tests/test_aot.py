@@ -83,6 +83,21 @@ def test_tiny_speculative_program_compiles_for_v5e_with_mosaic_kernels():
 
 @pytest.mark.tpu_aot
 @needs_libtpu
+@pytest.mark.parametrize("method, mesh_shape", [("asd", (2, 2)), ("asd", (4, 1)), ("csd", (1, 4))])
+def test_kernels_outside_shard_map_compile_on_a_multi_chip_mesh(method, mesh_shape):
+    """ASD's regret-prefix kernel (and the gate statistics where the vocabulary is not split)
+    run outside the vocabulary shard_map: the engine wraps them in a replicated one
+    (`pallas.on_mesh`), since the partitioner cannot split a Mosaic call across chips."""
+    mesh = aot.topology_mesh("v5e:2x2", mesh_shape)
+    engine = specjax.Engine(models.abstract(TINY, jnp.bfloat16), draft="pld", method=method, k=4,
+                            max_new_tokens=16, max_len=64, mesh=mesh, eos_ids=())
+    report = aot.compile_report(engine, [[1] * 8] * 4, "v5e:2x2")
+    assert report.compiled and report.fits
+    assert report.mosaic_kernels >= (2 if method == "asd" else 1)
+
+
+@pytest.mark.tpu_aot
+@needs_libtpu
 def test_topology_errors():
     with pytest.raises(aot.TopologyError, match=r"mesh 2,4 does not match topology 'v5e:2x2': it has 4 chips"):
         aot.topology_mesh("v5e:2x2", (2, 4))

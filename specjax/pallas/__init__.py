@@ -13,10 +13,12 @@ Each dispatches (see `_dispatch`) to the compiled kernel on GPU/TPU and to its j
 reference on CPU; `impl="kernel"`, `set_impl("kernel")` or `SPECJAX_PALLAS=kernel`
 forces the kernel (interpret mode on CPU). Under `compile_for("tpu")`, or with a
 mesh of TPU devices in context, a CPU host traces the compiled Mosaic variant (for
-deviceless AOT compilation to a TPU topology).
+deviceless AOT compilation to a TPU topology). Under `on_mesh(mesh)` a kernel
+traced outside a shard_map runs in a replicated one over `mesh` (the partitioner
+cannot split a Mosaic or Triton call; the engine enters it around verification).
 """
 
-from specjax.pallas._dispatch import ENV_VAR, compile_for, set_impl, target_platform
+from specjax.pallas._dispatch import ENV_VAR, compile_for, on_mesh, set_impl, target_platform
 from specjax.pallas.gate_stats import (GatePartials, GateStats, combine_partials,
                                        finalize_partials, gate_partials,
                                        gate_partials_reference, gate_stats,
@@ -26,7 +28,7 @@ from specjax.pallas.regret_prefix import (RegretPrefix, regret_prefix,
 from specjax.pallas.sharded import gate_stats_sharded
 
 __all__ = [
-    "ENV_VAR", "compile_for", "set_impl", "target_platform",
+    "ENV_VAR", "compile_for", "on_mesh", "set_impl", "target_platform",
     "GateStats", "GatePartials", "gate_stats", "gate_stats_reference", "gate_partials",
     "gate_partials_reference", "combine_partials", "finalize_partials",
     "gate_stats_sharded",

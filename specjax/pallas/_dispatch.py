@@ -29,6 +29,7 @@ _IMPLS = ("auto", "kernel", "reference")
 _VARIANTS = ("mosaic", "triton")
 _override: str | None = None
 _platform: str | None = None  # `compile_for`
+_mesh = None  # `on_mesh`
 
 
 def set_impl(impl: str | None) -> str | None:
@@ -56,6 +57,30 @@ def compile_for(platform: str | None):
         yield
     finally:
         _platform = previous
+
+
+@contextlib.contextmanager
+def on_mesh(mesh):
+    """Within this block, kernels traced outside a `shard_map` run inside one over `mesh`
+    (a jax.sharding.Mesh; None: not), on replicated operands: the partitioner cannot split
+    a Mosaic or Triton call across devices, so every device runs it on the whole (small)
+    input. The engine's program enters it around the verify step on a mesh."""
+    global _mesh
+    previous, _mesh = _mesh, mesh
+    try:
+        yield
+    finally:
+        _mesh = previous
+
+
+def run_kernel(fn, *args):
+    """`fn(*args)`, inside a replicated `shard_map` over the mesh of `on_mesh` if it has
+    several devices."""
+    if _mesh is None or _mesh.size == 1:
+        return fn(*args)
+    from jax.sharding import PartitionSpec as P
+
+    return jax.shard_map(fn, mesh=_mesh, in_specs=P(), out_specs=P(), check_vma=False)(*args)
 
 
 def target_platform() -> str:

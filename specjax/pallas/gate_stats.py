@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+
 
 import jax
 import jax.numpy as jnp
@@ -172,7 +174,7 @@ def gate_stats(logits, tokens=None, *, impl=None, interpret=None, variant=None,
     x = jnp.reshape(logits, (M, V))
     tok = (jnp.full((M,), -1, jnp.int32) if tokens is None
            else jnp.reshape(tokens, (M,)).astype(jnp.int32))
-    p = gate_partials(x, tok, impl="kernel", interpret=interpret, variant=variant,
-                      block_v=block_v, block_n=block_n, num_splits=num_splits)
+    p = _dispatch.run_kernel(functools.partial(gate_partials, impl="kernel", interpret=interpret, variant=variant,
+                                               block_v=block_v, block_n=block_n, num_splits=num_splits), x, tok)
     stats = _online.finalize(p, V, None if tokens is None else tok)
     return GateStats(*(jnp.reshape(a, lead) for a in stats))

@@ -214,5 +214,6 @@ def regret_prefix(mismatch, regret, budget_left, *, gate=0.25, block_cap=2, suff
     interpret = _dispatch.resolve_interpret(interpret)
     variant = _dispatch.resolve_variant(None)
     _dispatch.check_compiled_variant(variant, interpret)
-    out = _regret_prefix_kernel(*args, interpret=interpret, variant=variant)
+    out = _dispatch.run_kernel(functools.partial(_regret_prefix_kernel, interpret=interpret, variant=variant),
+                               *args)
     return _finish(lead, args[3], *out)
