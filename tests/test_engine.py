@@ -154,3 +154,13 @@ def test_smollm2_greedy_matches_transformers(smollm2):
             top2 = np.sort(logits)[-2:]
             assert top2[1] - top2[0] < 1e-4, f"diverged at {i} with a top-2 gap of {top2[1] - top2[0]}"
         assert len(ours) > 0 and tok.decode(ours).strip()
+
+
+def test_prompt_widths_form_a_geometric_ladder():
+    from specjax.engine import prompt_width
+
+    widths = {n: prompt_width(n) for n in range(1, 1025)}
+    assert all(w >= n for n, w in widths.items())
+    assert all(w <= max(16, n + 15) if n <= 64 else w < 1.5 * n for n, w in widths.items())  # padding under half
+    assert sorted({widths[n] for n in range(20, 401)}) == [32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert prompt_width(20, 16) == 32 and prompt_width(129, 128) == 256  # an explicit bucket: its multiples
