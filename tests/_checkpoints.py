@@ -124,8 +124,10 @@ def write_gguf(path, *, seed=0, shape=SHAPE, tie=False, layer_types=None):
     w.add_vocab_size(V)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
-    w.add_token_list(_bytes_to_unicode() + ["Ġt"] + [f"<x{i}>" for i in range(V - 257)])
-    w.add_token_types([1] * V)
+    # bytes, one merge, and ChatML's control tokens (a chat prompt encodes)
+    w.add_token_list(_bytes_to_unicode() + ["Ġt", "<|im_start|>", "<|im_end|>"]
+                     + [f"<x{i}>" for i in range(V - 259)])
+    w.add_token_types([1] * 257 + [3, 3] + [1] * (V - 259))
     w.add_token_merges(["Ġ t"])
     w.add_eos_token_id(2)
     k = 0
