@@ -74,7 +74,7 @@ def write_hf(path, *, seed=0, shape=SHAPE, tie=False, qwen2=False, dtype="float3
 
 
 def _bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:

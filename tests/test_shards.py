@@ -40,7 +40,9 @@ def checkpoints(tmp_path_factory):
             "hf-qwen2-bf16-tied-sharded": write_hf(root / "hfq", qwen2=True, tie=True, dtype="bfloat16",
                                                    max_shard_bytes=400_000),
             "gguf": write_gguf(root / "q8.gguf"),
-            "gguf-mixed": write_gguf(root / "mixed.gguf", layer_types=MIXED, tie=True)}
+            "gguf-mixed": write_gguf(root / "mixed.gguf", layer_types=MIXED, tie=True),
+            # a weight whose layers are Q8_0 in one and F16 in the other stacks as float (both paths)
+            "gguf-partly": write_gguf(root / "partly.gguf", layer_types=["Q8_0", "F16"])}
 
 
 @pytest.mark.parametrize("name", ["hf", "hf-qwen2-bf16-tied-sharded"])
@@ -53,14 +55,14 @@ def test_lazy_hf_tree_is_the_converted_tree(checkpoints, name):
 
 
 @pytest.mark.parametrize("keep_quantized", [True, False])
-@pytest.mark.parametrize("name", ["gguf", "gguf-mixed"])
+@pytest.mark.parametrize("name", ["gguf", "gguf-mixed", "gguf-partly"])
 def test_lazy_gguf_tree_is_the_converted_tree(checkpoints, name, keep_quantized):
     path = checkpoints[name]
     c, whole, _ = convert.load_gguf(path, keep_quantized=keep_quantized)
     lazy_c, lazy = shards.lazy_gguf(path, keep_quantized=keep_quantized)
     assert lazy_c == c
-    if keep_quantized:  # the layer weights stay block-quantized on both paths
-        assert isinstance(lazy["layers"]["wq"], quant.BlockQuant)
+    if keep_quantized:  # the layer weights stay block-quantized on both paths, unless partly float
+        assert isinstance(lazy["layers"]["wq"], quant.BlockQuant) == (name != "gguf-partly")
     assert_same_tree(whole, full_read(lazy))
 
 

@@ -192,7 +192,7 @@ def _code_layout(qtype) -> tuple[int, bool]:
 # --- our leaves from those tensors -----------------------------------------------------
 
 
-def _ranges(key, shape):
+def _ranges(key):
     return [slice(a, b) for a, b in key]
 
 
@@ -210,7 +210,7 @@ def _linear(tensors, in_shape, out_shape, dtype, what) -> Lazy:
     shape = ((len(tensors),) if stacked else ()) + tuple(in_shape) + tuple(out_shape)
 
     def read(index):
-        s = _ranges(_key(index, shape), shape)
+        s = _ranges(_key(index, shape))
         lead, ins, outs = s[:stacked], s[stacked:stacked + len(in_shape)], s[stacked + len(in_shape):]
         cols, n_in, in_rest = _group_rows(ins, in_shape)
         rows, n_out, out_rest = _group_rows(outs, out_shape)
@@ -230,7 +230,7 @@ def _vector(tensors, vshape, dtype, what) -> Lazy:
     shape = ((len(tensors),) if stacked else ()) + tuple(vshape)
 
     def read(index):
-        s = _ranges(_key(index, shape), shape)
+        s = _ranges(_key(index, shape))
         rows, n, rest = _group_rows(s[stacked:], vshape)
 
         def one(t):
