@@ -15,8 +15,12 @@ A GPU node or TPU slice: --local_devices=0 (use the accelerators), --mesh=DATA,M
 devices of all processes. On a TPU pod or under SLURM, jax.distributed finds the coordinator
 itself: pass --num_processes=-1 (auto) and no --coordinator_address.
 
-Every process prints the same tokens (the outputs are replicated) and the bytes of
-parameters and KV caches on its most loaded device; with --json, one JSON line.
+A checkpoint (--model / --draft: preset, .gguf or HF directory) is loaded per shard on the
+mesh (`models.load(..., mesh=)`): each process reads only the parts its devices hold, e.g. half
+of each layer weight per process on a --mesh=1,8 over two processes (the model axis spans both).
+
+Every process prints the same tokens (the outputs are replicated), the bytes of parameters and
+KV caches on its most loaded device, and the checkpoint bytes it read; with --json, one JSON line.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ _PROMPT = flags.DEFINE_multi_string("prompt", None, "A prompt (text for real mod
 _BATCH = flags.DEFINE_integer("batch", 0, "Repeat the prompts cyclically up to this batch size (0: as given).")
 _SEED = flags.DEFINE_integer("seed", 0, "Generation seed (and the tiny models' weights).")
 _JSON = flags.DEFINE_boolean("json", False, "Print one JSON line: tokens, per-device bytes, layout.")
+_CACHE = flags.DEFINE_boolean("cache", True, "Use (and, in one process, write) the converted-parameter cache.")
 
 TINY_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], [11, 12], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 7, 7, 7, 7],
                 [40, 41, 42, 43], [1, 2, 3, 1, 2, 3, 1], [99], [60, 61, 60, 61, 62]]
@@ -91,21 +96,35 @@ def tiny_models(seed: int):
 
 
 def run(*, model: str, draft: str, method: str, k: int, max_new_tokens: int, prompts, batch: int, seed: int,
-        mesh_shape=None, draft_sharding="shard", attention="auto"):
-    """(tokens, memory report, layout description) of one generation; mesh_shape None: one device."""
+        mesh_shape=None, draft_sharding="shard", attention="auto", cache=True):
+    """(tokens, memory report, layout description) of one generation; mesh_shape None: one device.
+
+    A checkpoint is loaded per shard on the mesh (each process reads its devices' parts)."""
     import jax
 
     import specjax
     from specjax import models, sharding
 
+    mesh = None
+    if mesh_shape is not None:
+        mesh = sharding.MeshConfig(jax.make_mesh(mesh_shape, ("data", "model")), attention=attention,
+                                   draft=draft_sharding)
+
+    def load(source, role):
+        return models.load(source, cache=cache, mesh=None if mesh is None or attention == "pad" else mesh,
+                           role=role)
+
     if model == "tiny":
         target, tiny_draft = tiny_models(seed)
         ids = [list(p) for p in (prompts or TINY_PROMPTS)]
     else:
-        target, tiny_draft = models.load(model), None
-        if target.tokenizer is None:
-            raise app.UsageError(f"{model} has no tokenizer")
-        ids = [target.tokenizer.chat_prompt_ids(p) for p in (prompts or ["Write a haiku about JAX."])]
+        target, tiny_draft = load(model, "target"), None
+        if target.tokenizer is not None:
+            ids = [target.tokenizer.chat_prompt_ids(p) for p in (prompts or ["Write a haiku about JAX."])]
+        elif prompts:
+            raise app.UsageError(f"{model} has no tokenizer: text prompts cannot be encoded")
+        else:  # a checkpoint without a tokenizer (tests): token ids
+            ids = [[t % target.config.vocab_size for t in p] for p in TINY_PROMPTS]
     if batch:
         ids = [ids[i % len(ids)] for i in range(batch)]
     if draft == "none":
@@ -117,11 +136,7 @@ def run(*, model: str, draft: str, method: str, k: int, max_new_tokens: int, pro
     elif draft == "pld" or draft.startswith("self:"):
         d = draft
     else:
-        d = models.load(draft)
-    mesh = None
-    if mesh_shape is not None:
-        mesh = sharding.MeshConfig(jax.make_mesh(mesh_shape, ("data", "model")), attention=attention,
-                                   draft=draft_sharding)
+        d = load(draft, "draft")
     engine = specjax.Engine(target, draft=d, method=method, k=k, max_new_tokens=max_new_tokens, seed=seed,
                             eos_ids=(), mesh=mesh)
     out = engine.generate(ids)
@@ -151,11 +166,14 @@ def main(argv):
     tokens, memory, layout = run(model=_MODEL.value, draft=_DRAFT.value, method=_METHOD.value, k=_K.value,
                                  max_new_tokens=_MAX_NEW.value, prompts=_PROMPT.value, batch=_BATCH.value,
                                  seed=_SEED.value, mesh_shape=mesh_shape, draft_sharding=_DRAFT_SHARDING.value,
-                                 attention=_ATTENTION.value)
+                                 attention=_ATTENTION.value, cache=_CACHE.value)
     seconds = time.perf_counter() - start
+    from specjax.models import shards
+
     info = {"process": jax.process_index(), "processes": jax.process_count(), "devices": n,
             "local_devices": jax.local_device_count(), "mesh": list(mesh_shape), "tokens": tokens,
-            "bytes_per_device": memory, "seconds": round(seconds, 2)}
+            "bytes_per_device": memory, "checkpoint_bytes_read": dict(shards.BYTES_READ),
+            "seconds": round(seconds, 2)}
     if _JSON.value:
         print(json.dumps(info), flush=True)
     else:
@@ -163,6 +181,8 @@ def main(argv):
               f"{layout}", file=sys.stderr)
         for name, value in memory.items():
             print(f"  {name:>14}: {value / 2**20:9.2f} MiB per device", file=sys.stderr)
+        for what, value in sorted(shards.BYTES_READ.items()):
+            print(f"  checkpoint bytes read ({what}): {value}", file=sys.stderr)
         for row in tokens:
             print(row)
     if jax.process_count() > 1:

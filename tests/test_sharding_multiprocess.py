@@ -1,5 +1,9 @@
 """Two processes on localhost (jax.distributed, CPU collectives), four fake CPU devices each,
-one (2, 4) mesh: the same tokens as one process. Bounded: each process has a hard timeout."""
+one (2, 4) mesh: the same tokens as one process. Bounded: each process has a hard timeout.
+
+Per-shard loading: on a (1, 8) mesh the model axis spans both processes, so each process holds
+half of every sharded weight and must read only that half of the checkpoint (counted by the
+loader, `shards.BYTES_READ`)."""
 
 import json
 import os
@@ -35,14 +39,11 @@ def child_env():
     return env
 
 
-def test_two_processes_give_the_single_process_tokens():
-    dist = load_distributed()
-    # the single-process reference: one device, the same model, prompts and settings
-    expected, _, _ = dist.run(model="tiny", draft="pld", method="fly", k=2, max_new_tokens=6, prompts=None,
-                              batch=0, seed=0, mesh_shape=None)
+def run_two_processes(flags):
+    """The JSON lines of the two processes of one run."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), f"--coordinator_address=127.0.0.1:{port}",
-                               "--num_processes=2", f"--process_id={i}", "--local_devices=4", *FLAGS],
+                               "--num_processes=2", f"--process_id={i}", "--local_devices=4", *flags],
                               cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     outputs = []
@@ -58,9 +59,61 @@ def test_two_processes_give_the_single_process_tokens():
                 p.wait()
     infos = [json.loads(next(line for line in out.splitlines() if line.startswith("{"))) for out in outputs]
     assert sorted(info["process"] for info in infos) == [0, 1]
+    return infos
+
+
+def test_two_processes_give_the_single_process_tokens():
+    dist = load_distributed()
+    # the single-process reference: one device, the same model, prompts and settings
+    expected, _, _ = dist.run(model="tiny", draft="pld", method="fly", k=2, max_new_tokens=6, prompts=None,
+                              batch=0, seed=0, mesh_shape=None)
+    infos = run_two_processes(FLAGS)
     for info in infos:
         assert info["processes"] == 2 and info["devices"] == 8 and info["local_devices"] == 4
         assert info["tokens"] == expected
         # parameters split over the model axis: far less than the whole tiny model per device
         assert 0 < info["bytes_per_device"]["target_params"] < 0.5 * sum(
             x.nbytes for x in jax.tree.leaves(dist.tiny_models(0)[0].params))
+
+
+def _layer_bytes(path, fmt):
+    """(bytes of all per-layer tensors in the file, bytes of the per-layer norm scales)."""
+    if fmt == "gguf":
+        import gguf
+
+        tensors = [(t.name, int(t.n_bytes)) for t in gguf.GGUFReader(str(path)).tensors if t.name.startswith("blk.")]
+        is_norm = lambda name: name.endswith("_norm.weight")  # noqa: E731
+    else:
+        from safetensors import safe_open
+
+        with safe_open(path / "model.safetensors", framework="numpy") as f:
+            tensors = [(k, f.get_slice(k)[:].nbytes) for k in f.keys() if k.startswith("model.layers.")]
+        is_norm = lambda name: name.endswith("layernorm.weight")  # noqa: E731
+    return sum(n for _, n in tensors), sum(n for name, n in tensors if is_norm(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_each_process_reads_half_of_the_layers(fmt, tmp_path):
+    """A checkpoint written here (bf16 safetensors; Q8_0 GGUF with llama.cpp's RoPE row order),
+    loaded per shard by two processes on a (1, 8) mesh: the tokens of one process that loads
+    it whole, and each process reads half of the layer bytes. The tolerance is the per-layer
+    norm scales, which are replicated (every process reads them whole): here under 0.4% of the
+    layer bytes; every sharded weight splits on whole rows / whole Q8_0 blocks, so the count is
+    exact: half of the sharded bytes plus all of the norms."""
+    import _checkpoints
+
+    path = (_checkpoints.write_hf(tmp_path / "hf", dtype="bfloat16") if fmt == "safetensors"
+            else _checkpoints.write_gguf(tmp_path / "tiny.gguf"))
+    dist = load_distributed()
+    expected, _, _ = dist.run(model=str(path), draft="pld", method="fly", k=2, max_new_tokens=6, prompts=None,
+                              batch=0, seed=0, mesh_shape=None, cache=False)
+    infos = run_two_processes([f"--model={path}", "--draft=pld", "--method=fly", "--k=2", "--max_new_tokens=6",
+                               "--mesh=1,8", "--nocache", "--json"])
+    layers, norms = _layer_bytes(path, fmt)
+    assert norms / layers < 0.004
+    for info in infos:
+        assert info["tokens"] == expected
+        read = info["checkpoint_bytes_read"]["layers"]
+        assert read == (layers - norms) // 2 + norms
+        assert 0.5 <= read / layers <= 0.5 + norms / layers

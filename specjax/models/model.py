@@ -110,11 +110,16 @@ def pad_vocab(model: Model, vocab_size: int) -> Model:
 
 
 def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
-         keep_quantized: bool = True) -> Model:
+         keep_quantized: bool = True, mesh=None, role: str = "target") -> Model:
     """Loads a preset name, a `.gguf` file or a Hugging Face directory.
 
     `keep_quantized`: a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 layer weights stay block-quantized
     (the same values, about a quarter of the bytes; see `quant`); False expands them to float32.
+    `mesh`: a `jax.sharding.Mesh` or `sharding.MeshConfig`: the params come back placed as
+    `Engine(..., mesh=mesh)` places them (`role` "target", or "draft" for a draft model, which
+    follows `MeshConfig.draft`), and each process reads only the parts of the checkpoint that
+    its devices hold (`shards`; a cached conversion is restored by orbax at those shardings).
+    Pass the same mesh to the Engine: it keeps the placed params as they are.
     """
     start = time.perf_counter()
     src = str(source)
@@ -137,6 +142,9 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
     config, tokenizer = _read_config_and_tokenizer(path, is_gguf)
     keep_quantized = keep_quantized and is_gguf
     ckpt_dir = presets.cache_dir() / "params" / f"{key}-v{_CONVERTER_VERSION}{'-q' if keep_quantized else ''}"
+    if mesh is not None:
+        params, how = _load_sharded(path, is_gguf, config, ckpt_dir, dtype, cache, keep_quantized, mesh, role)
+        return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
     params, how = None, "converted"
     if cache and (ckpt_dir / "config.json").is_file():
         try:
@@ -152,6 +160,44 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
     # stored in the compute dtype (cast on the host for converted arrays: no float32 device copy)
     params = jax.tree.map(jnp.asarray, llama.cast_params(params, dtype))
     return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
+
+
+def _load_sharded(path, is_gguf, config, ckpt_dir, dtype, cache, keep_quantized, mesh, role):
+    """(placed params, how) where each process reads only its devices' parts (`shards`)."""
+    import numpy as np
+
+    from specjax import sharding
+    from specjax.models import shards
+
+    if role not in ("target", "draft"):
+        raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
+    mesh_config = sharding.MeshConfig.of(mesh)
+    if mesh_config.attention == "pad" and (role == "target" or mesh_config.draft == "shard"):
+        n = mesh_config.rules.size(mesh_config.mesh, "heads")
+        if sharding.padded_counts(config, n) != (config.num_heads, config.num_kv_heads):
+            raise ValueError(f"loading per shard with attention='pad' would need zero heads appended to "
+                             f"{config.num_heads}/{config.num_kv_heads} heads, which is not done per shard; "
+                             "load with attention='auto' or 'replicate' (or without mesh=)")
+    layout = sharding.make_layout(mesh_config, config, config if role == "draft" else None)
+
+    def lazy(dt):
+        return (shards.lazy_gguf(path, dt, keep_quantized=keep_quantized) if is_gguf
+                else shards.lazy_hf_dir(path, dt))[1]
+
+    # the plan needs shapes only: the lazy tree reads nothing but the checkpoint's metadata
+    converted = lazy(np.float32)
+    shardings = layout.param_shardings(shards.abstract(converted), role)
+    if cache and (ckpt_dir / "config.json").is_file():
+        try:
+            params = _restore(ckpt_dir, config, shards.abstract(converted), shardings)
+            return jax.tree.map(jnp.asarray, llama.cast_params(params, dtype)), "orbax-cache"
+        except Exception as e:  # a corrupt or partial cache is ignored, as in the one-process path
+            logging.warning("ignoring unreadable parameter cache %s: %s", ckpt_dir, e)
+    if cache and jax.process_count() == 1:  # several processes write no cache (see shards)
+        params = shards.place(converted, shardings)
+        _save(ckpt_dir, config, params)
+        return llama.cast_params(params, dtype), "converted"
+    return shards.place(lazy(jnp.dtype(dtype)), shardings), "converted"
 
 
 def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
@@ -192,11 +238,17 @@ def _save(ckpt_dir: pathlib.Path, config: Config, params) -> None:
     os.replace(tmp, ckpt_dir)
 
 
-def _restore(ckpt_dir: pathlib.Path, config: Config):
+def _restore(ckpt_dir: pathlib.Path, config: Config, abstract_params=None, shardings=None):
+    """The cached params; with `abstract_params` and `shardings` (matching trees), orbax restores
+    each array at its sharding, reading only the parts of this process's devices."""
     import orbax.checkpoint as ocp
 
     saved = json.loads((ckpt_dir / "config.json").read_text())
     if saved != json.loads(json.dumps(dataclasses.asdict(config))):
         raise ValueError("cached config differs from the checkpoint's")
-    plain = ocp.StandardCheckpointer().restore(ckpt_dir.resolve() / "params")
+    target = None
+    if abstract_params is not None:
+        target = quant.to_plain(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                             abstract_params, shardings))[0]
+    plain = ocp.StandardCheckpointer().restore(ckpt_dir.resolve() / "params", target)
     return quant.from_plain(plain, json.loads((ckpt_dir / "quantized.json").read_text()))

@@ -98,9 +98,11 @@ def make_layout(mesh_config: MeshConfig, target: Config, draft: Config | None = 
 def place(tree, shardings):
     """Puts host or device arrays at `shardings` (a matching tree of NamedShardings).
 
-    With one process this is `jax.device_put`. With several (`jax.distributed`),
-    every process must hold the same full values (the same checkpoint or seed);
-    each builds the shards of its own devices with `jax.make_array_from_callback`.
+    With one process this is `jax.device_put` (nothing moves for an array already at its
+    sharding). With several (`jax.distributed`), every process must hold the same full values
+    (the same checkpoint or seed); each builds the shards of its own devices with
+    `jax.make_array_from_callback`. Arrays that span processes already (`models.load(...,
+    mesh=)`) are kept where they are at the same sharding, else resharded by `jax.device_put`.
 
     Nothing is transferred where there is nothing to hold: `jax.ShapeDtypeStruct`
     leaves (an abstract model) and any leaf bound for devices this host cannot
@@ -116,6 +118,8 @@ def place(tree, shardings):
         return jax.device_put(tree, shardings)
 
     def one(x, sharding):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:  # placed already (models.load(mesh=))
+            return x if x.sharding.is_equivalent_to(sharding, x.ndim) else jax.device_put(x, sharding)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

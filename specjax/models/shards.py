@@ -1,0 +1,407 @@
+"""Per-shard loading: each process reads only the parts of a checkpoint that its devices hold.
+
+`lazy_params(path)` describes the parameter tree that `convert.build_params` makes (the same
+tree, leaf for leaf) without reading a weight: every leaf is a `Lazy`, its shape and dtype and
+how to read any region of it. `place(lazy, shardings)` builds each array with
+`jax.make_array_from_callback`, so a process reads only the regions of its own devices:
+
+- safetensors: `safe_open(...).get_slice(name)[rows, cols]` of the transformers [out, in]
+  tensor that the region of our [*in, *out] layout comes from, per stacked layer;
+- GGUF: row and block ranges of the tensor in the reader's memory map, dequantized (or their
+  block codes extracted, `quant.extract_codes`) after slicing. GGUF's formats and our transposes,
+  stacking and rebinning act element by element or block by block, so the values are those of the
+  whole-tensor path, bit for bit (llama.cpp's RoPE row order is undone per head, and a region is
+  widened to whole heads and whole GGUF blocks before it is trimmed).
+
+A region is read at the granularity of the first dimension of each group of the torch tensor's
+flattened axes (heads for [D, H, Dh], rows of the head): the rest is sliced after reading. Our
+sharding rules split only those first dimensions, so nothing beyond the region is read then.
+
+`BYTES_READ` counts the checkpoint bytes this process has read, by what they were read for
+("layers" for the per-layer tensors, "other" for the embedding, head and final norm).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Callable
+
+import jax
+import numpy as np
+
+from specjax.models import config as config_lib
+from specjax.models import convert, quant
+from specjax.models.config import Config
+
+BYTES_READ: collections.Counter = collections.Counter()  # {"layers": n, "other": n}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Lazy:
+    """A parameter not read yet: `read(index)` gives the region `index` (a tuple of slices, as
+    `jax.make_array_from_callback` passes it) as a host array of `dtype`."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[tuple], np.ndarray]
+
+    def abstract(self, sharding=None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=sharding)
+
+
+def abstract(lazy_tree):
+    """The tree as `jax.ShapeDtypeStruct`s (what the sharding plan needs)."""
+    return jax.tree.map(lambda x: x.abstract(), lazy_tree)
+
+
+def place(lazy_tree, shardings):
+    """Global arrays of `lazy_tree` at `shardings` (a matching tree of shardings); this process
+    reads the regions of its addressable devices, each region once."""
+    out = jax.tree.map(_place_one, lazy_tree, shardings)
+    for group in _groups(lazy_tree):
+        group.clear()
+    return out
+
+
+def _place_one(x: Lazy, sharding):
+    done = {}
+
+    def region(index):
+        key = _key(index, x.shape)
+        if key not in done:  # devices that hold the same region (replicas) share one read
+            done[key] = x.read(tuple(slice(a, b) for a, b in key))
+        return done[key]
+
+    return jax.make_array_from_callback(x.shape, sharding, region)
+
+
+def _key(index, shape) -> tuple[tuple[int, int], ...]:
+    key = []
+    for s, n in zip(index, shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"strided region {index} is not supported")
+        key.append((start, stop))
+    return tuple(key)
+
+
+def _groups(tree):
+    seen = {}
+    for x in jax.tree.leaves(tree):
+        group = getattr(x.read, "group", None)
+        if group is not None:
+            seen[id(group)] = group
+    return seen.values()
+
+
+# --- checkpoint tensors in transformers' [out, in] layout, read by region -------------
+
+
+class _SafetensorsTensor:
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(int(n) for n in self._slice.get_shape())
+
+    def floats(self, rows, cols, what) -> np.ndarray:
+        index = (slice(*rows),) if len(self.shape) == 1 else (slice(*rows), slice(*cols))
+        x = self._slice[index]  # numpy (bfloat16 through ml_dtypes): no device copy
+        BYTES_READ[what] += x.nbytes
+        return np.asarray(x, np.float32)
+
+
+class _GGUFTensor:
+    """A GGUF tensor; `rope_heads`: llama.cpp's interleaved RoPE rows are undone per head."""
+
+    def __init__(self, t, rope_heads: int | None):
+        import gguf
+
+        self.t, self.qtype, self.rope_heads = t, t.tensor_type, rope_heads
+        self.shape = tuple(int(n) for n in reversed([int(n) for n in t.shape]))
+        self.block, self.type_size = gguf.GGML_QUANT_SIZES[self.qtype]
+        self.quantized = quant.supports(self.qtype)
+        if self.quantized:
+            self.sub, self.has_offset = _code_layout(self.qtype)
+
+    def _rows(self, rows):
+        if not self.rope_heads:
+            return rows, (0, rows[1] - rows[0])
+        per = self.shape[0] // self.rope_heads  # whole heads: the permutation stays inside one
+        wide = (rows[0] // per * per, -(-rows[1] // per) * per)
+        return wide, (rows[0] - wide[0], rows[1] - wide[0])
+
+    def _raw(self, rows, cols, what):
+        """The bytes of rows x whole blocks covering cols, copied out of the memory map."""
+        data = self.t.data
+        if len(self.shape) == 1:
+            if self.block != 1:  # a block-quantized vector: small, read whole
+                raw = np.array(data)
+                BYTES_READ[what] += raw.nbytes
+                return raw, (rows[0], rows[1])
+            raw = np.array(data[rows[0]:rows[1]])
+            BYTES_READ[what] += raw.nbytes
+            return raw, (0, rows[1] - rows[0])
+        units = data.shape[-1] * self.block // self.shape[1]  # storage units per block
+        b0, b1 = cols[0] // self.block, -(-cols[1] // self.block)
+        raw = np.array(data[rows[0]:rows[1], b0 * units:b1 * units])
+        BYTES_READ[what] += raw.nbytes
+        return raw, (cols[0] - b0 * self.block, cols[1] - b0 * self.block)
+
+    def floats(self, rows, cols, what) -> np.ndarray:
+        import gguf
+
+        wide, keep = self._rows(rows)
+        raw, trim = self._raw(wide, cols, what)
+        x = gguf.quants.dequantize(raw, self.qtype).astype(np.float32)
+        x = x[trim[0]:trim[1]] if x.ndim == 1 else x[:, trim[0]:trim[1]]
+        if self.rope_heads:
+            x = convert._unpermute_rope_rows(x, len(x) * self.rope_heads // self.shape[0])
+        return x[keep[0]:keep[1]]
+
+    def blocks(self, rows, cols, bs: int, with_offset: bool, what):
+        """(codes int8[r, c], scale f32[r, c/bs], offset or None) of rows x cols, in blocks of bs
+        (a divisor of this type's code block: scales repeated, as `quant.stack_layers` does)."""
+        wide, keep = self._rows(rows)
+        raw, trim = self._raw(wide, cols, what)
+        rb = quant.extract_codes(raw, self.qtype)
+        if self.rope_heads:
+            rb = convert._unpermute_rope_rows(rb, rb.codes.shape[0] * self.rope_heads // self.shape[0])
+        rep = rb.block_size // bs
+        scale = np.repeat(rb.scale, rep, axis=1)
+        offset = (np.repeat(rb.offset, rep, axis=1) if rb.offset is not None
+                  else np.zeros_like(scale) if with_offset else None)
+        r, c = slice(*keep), slice(trim[0], trim[1])
+        cb = slice(trim[0] // bs, trim[1] // bs)
+        return rb.codes[r, c], scale[r, cb], None if offset is None else offset[r, cb]
+
+
+def _code_layout(qtype) -> tuple[int, bool]:
+    """(sub-block size of the scales, whether there is an offset) of a supported GGUF type."""
+    legacy = quant._gguf_types()
+    if qtype in legacy:
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[qtype][0], legacy[qtype]
+    sub, _, offset_probe = quant._k_probes()[qtype]
+    return sub, offset_probe is not None
+
+
+# --- our leaves from those tensors -----------------------------------------------------
+
+
+def _ranges(key):
+    return [slice(a, b) for a, b in key]
+
+
+def _group_rows(slices, dims) -> tuple[tuple[int, int], int, tuple]:
+    """Flat [start, stop) of a row-major group of dims selected at the granularity of its first
+    dim; the first dim's count; the slices of the rest (applied after reading)."""
+    rest = math.prod(dims[1:])
+    first = slices[0]
+    return (first.start * rest, first.stop * rest), first.stop - first.start, tuple(slices[1:])
+
+
+def _linear(tensors, in_shape, out_shape, dtype, what) -> Lazy:
+    """Our [L, *in, *out] (or [*in, *out] for one tensor) from torch [out, in] tensors."""
+    stacked = isinstance(tensors, list)
+    shape = ((len(tensors),) if stacked else ()) + tuple(in_shape) + tuple(out_shape)
+
+    def read(index):
+        s = _ranges(_key(index, shape))
+        lead, ins, outs = s[:stacked], s[stacked:stacked + len(in_shape)], s[stacked + len(in_shape):]
+        cols, n_in, in_rest = _group_rows(ins, in_shape)
+        rows, n_out, out_rest = _group_rows(outs, out_shape)
+
+        def one(t):
+            x = t.floats(rows, cols, what).T.reshape(n_in, *in_shape[1:], n_out, *out_shape[1:])
+            return x[(slice(None), *in_rest, slice(None), *out_rest)]
+
+        x = np.stack([one(tensors[i]) for i in range(lead[0].start, lead[0].stop)]) if stacked else one(tensors)
+        return np.ascontiguousarray(x).astype(dtype)
+
+    return Lazy(shape, np.dtype(dtype), read)
+
+
+def _vector(tensors, vshape, dtype, what) -> Lazy:
+    stacked = isinstance(tensors, list)
+    shape = ((len(tensors),) if stacked else ()) + tuple(vshape)
+
+    def read(index):
+        s = _ranges(_key(index, shape))
+        rows, n, rest = _group_rows(s[stacked:], vshape)
+
+        def one(t):
+            return t.floats(rows, None, what).reshape(n, *vshape[1:])[(slice(None), *rest)]
+
+        x = np.stack([one(tensors[i]) for i in range(s[0].start, s[0].stop)]) if stacked else one(tensors)
+        return x.astype(dtype)
+
+    return Lazy(shape, np.dtype(dtype), read)
+
+
+class _QuantGroup:
+    """The codes, scale and offset of one stacked block-quantized weight come from one extraction
+    per region; kept until `clear` (the end of `place`)."""
+
+    def __init__(self, tensors, bs, with_offset):
+        self.tensors, self.bs, self.with_offset, self.memo = tensors, bs, with_offset, {}
+
+    def region(self, layers, blocks, rows):
+        key = (layers, blocks, rows)
+        if key not in self.memo:
+            parts = [t.blocks(rows, (blocks[0] * self.bs, blocks[1] * self.bs), self.bs, self.with_offset,
+                              "layers") for t in self.tensors[layers[0]:layers[1]]]
+            # torch [rows, cols] -> ours: codes [cols/bs, bs, rows], scale/offset [cols/bs, 1, rows]
+            codes = np.stack([c.reshape(c.shape[0], -1, self.bs).transpose(1, 2, 0) for c, _, _ in parts])
+            side = lambda i: None if parts[0][i] is None else np.stack(  # noqa: E731
+                [p[i].T[:, None, :] for p in parts])
+            self.memo[key] = (codes, side(1), side(2))
+        return self.memo[key]
+
+    def clear(self):
+        self.memo.clear()
+
+
+def _quant_linear(tensors, in_shape, out_shape) -> quant.BlockQuant:
+    """A stacked BlockQuant of Lazy codes/scale/offset, as `quant.stack_layers` stacks them."""
+    bs = math.gcd(*[t.sub for t in tensors])
+    with_offset = any(t.has_offset for t in tensors)
+    group = _QuantGroup(tensors, bs, with_offset)
+    n_in, n_out, L = math.prod(in_shape), math.prod(out_shape), len(tensors)
+
+    def leaf(which, shape, dtype):
+        def read(index):
+            lead, blocks, inner, outs = _key(index, shape)
+            arrays = group.region(lead, blocks, outs)
+            return arrays[which][:, :, inner[0]:inner[1]]
+
+        read.group = group
+        return Lazy(shape, np.dtype(dtype), read)
+
+    side = (L, n_in // bs, 1, n_out)
+    return quant.BlockQuant(leaf(0, (L, n_in // bs, bs, n_out), np.int8), leaf(1, side, np.float32),
+                            leaf(2, side, np.float32) if with_offset else None,
+                            (*in_shape, *out_shape))
+
+
+def _tree(c: Config, tensor, source: str, dtype, quantized: Callable[[list], bool]) -> dict:
+    """The lazy tree; `tensor(hf_name)` opens a checkpoint tensor (KeyError when missing)."""
+    D, H, G, Dh, F, V = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size
+
+    def fetch(name, shape):
+        try:
+            t = tensor(name)
+        except KeyError:
+            raise convert.MissingTensorError(f"missing tensor {name!r} in {source}") from None
+        if t.shape != shape:
+            raise ValueError(f"tensor {name!r} in {source} has shape {t.shape}, expected {shape}")
+        return t
+
+    def layer_tensors(suffix, shape):
+        return [fetch(f"model.layers.{i}.{suffix}", shape) for i in range(c.num_layers)]
+
+    def linear(suffix, in_shape, out_shape):
+        ts = layer_tensors(suffix, (math.prod(out_shape), math.prod(in_shape)))
+        if quantized(ts):
+            return _quant_linear(ts, in_shape, out_shape)
+        return _linear(ts, in_shape, out_shape, dtype, "layers")
+
+    def vector(suffix, shape):
+        return _vector(layer_tensors(suffix, (math.prod(shape),)), shape, dtype, "layers")
+
+    layers = {
+        "attn_norm": {"scale": vector("input_layernorm.weight", (D,))},
+        "mlp_norm": {"scale": vector("post_attention_layernorm.weight", (D,))},
+        "wq": linear("self_attn.q_proj.weight", (D,), (H, Dh)),
+        "wk": linear("self_attn.k_proj.weight", (D,), (G, Dh)),
+        "wv": linear("self_attn.v_proj.weight", (D,), (G, Dh)),
+        "wo": linear("self_attn.o_proj.weight", (H, Dh), (D,)),
+        "w_gate": linear("mlp.gate_proj.weight", (D,), (F,)),
+        "w_up": linear("mlp.up_proj.weight", (D,), (F,)),
+        "w_down": linear("mlp.down_proj.weight", (F,), (D,)),
+    }
+    if c.qkv_bias:
+        layers["bq"] = vector("self_attn.q_proj.bias", (H, Dh))
+        layers["bk"] = vector("self_attn.k_proj.bias", (G, Dh))
+        layers["bv"] = vector("self_attn.v_proj.bias", (G, Dh))
+    params = {
+        "embed": _linear(fetch("model.embed_tokens.weight", (V, D)), (D,), (V,), dtype, "other"),  # [D, V]
+        "layers": layers,
+        "final_norm": {"scale": _vector(fetch("model.norm.weight", (D,)), (D,), dtype, "other")},
+    }
+    if not c.tie_embeddings:
+        params["lm_head"] = _linear(fetch("lm_head.weight", (V, D)), (D,), (V,), dtype, "other")
+    return params
+
+
+# --- the two formats ----------------------------------------------------------------------
+
+
+def lazy_hf_dir(path, dtype=np.float32):
+    """(Config, lazy tree) of a directory with config.json and safetensors (as `convert.load_hf_dir`)."""
+    from safetensors import safe_open
+
+    path = pathlib.Path(path)
+    c = config_lib.from_hf_dict(json.loads((path / "config.json").read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", framework="numpy") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    handles = {}
+
+    def tensor(name):
+        shard = weight_map[name]
+        if shard not in handles:
+            handles[shard] = safe_open(path / shard, framework="numpy")
+        return _SafetensorsTensor(handles[shard], name)
+
+    tree = _tree(c, tensor, str(path), dtype, quantized=lambda ts: False)
+    if c.tie_embeddings:
+        weight_map.pop("lm_head.weight", None)
+    unknown = sorted(set(weight_map) - set(convert.expected_tensors(c)) - {"lm_head.weight"})
+    if unknown:
+        raise config_lib.ConfigError(f"unsupported tensor(s) in {path}: {', '.join(unknown[:5])}")
+    return c, tree
+
+
+def lazy_gguf(path, dtype=np.float32, *, keep_quantized: bool = True):
+    """(Config, lazy tree) of a GGUF file (as `convert.load_gguf`): the reader memory-maps the file;
+    nothing but the metadata (and a rope_freqs vector) is read here."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = convert.gguf_fields(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    rope_freqs = None
+    if "rope_freqs.weight" in tensors:
+        t = tensors["rope_freqs.weight"]
+        rope_freqs = gguf.quants.dequantize(t.data, t.tensor_type)
+    c = config_lib.from_gguf_fields(fields, tensor_names=tensors.keys(), rope_freqs=rope_freqs)
+    by_hf = {}
+    for name, t in tensors.items():
+        hf = convert._hf_name(name)
+        if hf is None and name != "rope_freqs.weight":
+            raise config_lib.ConfigError(f"unsupported tensor {name!r} in {path} (not part of a "
+                                         f"{c.architecture} decoder this library implements)")
+        if hf is not None:
+            by_hf[hf] = t
+    permute = c.architecture == "llama"
+
+    def tensor(hf_name):
+        heads = None
+        if permute and (hf_name.endswith("q_proj.weight") or hf_name.endswith("q_proj.bias")):
+            heads = c.num_heads
+        elif permute and (hf_name.endswith("k_proj.weight") or hf_name.endswith("k_proj.bias")):
+            heads = c.num_kv_heads
+        return _GGUFTensor(by_hf[hf_name], heads)
+
+    # as convert.load_gguf: layer weights stay block-quantized when every layer's type is supported
+    tree = _tree(c, tensor, str(path), dtype, quantized=lambda ts: keep_quantized and all(t.quantized for t in ts))
+    return c, tree
