@@ -559,7 +559,34 @@ def main(argv):
                                               if (t.task_id, m.spec) in books["completions"]]}
                   for m in methods]} for p in parts}}
     (out_dir / "audit.json").write_text(json.dumps(C.jsonable(record), indent=1))
+    if "humaneval" in summaries:
+        plot_front(summaries["humaneval"], out_dir / "pareto.png")
     C.log(f"wrote {out_dir}/audit.md, audit.csv, audit.json" + ("" if finished else " (unfinished: rerun)"))
+
+
+def plot_front(rows: dict, path: pathlib.Path) -> None:
+    """pass@1 against speedup over target-only (speed pass), every method labelled, the front drawn."""
+    points = {s: (r["speedup_vs_target_only"], r["pass_at_1"]) for s, r in rows.items()
+              if r.get("speedup_vs_target_only") and r.get("pass_at_1") is not None}
+    if len(points) < 2:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s, (x, y) in points.items():
+        ax.scatter(x, y, color="C1" if s == REFERENCE else "C0")
+        ax.annotate(s, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    front = C.pareto(points.values(), minimize_x=False)
+    ax.plot(*zip(*front), color="C2", lw=1, marker="o", ms=10, mfc="none", label="front (faster and at least as good)")
+    ax.set_xlabel("speedup vs target-only (batch 1)")
+    ax.set_ylabel("HumanEval pass@1")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _result(books, task_id, spec) -> dict:
