@@ -61,7 +61,8 @@ HELP_FLAGS = {
     "calibrate_csd": ["--draft", "--output", "--capacity", "--positions", "--eval_prompts"],
     "calibrate_asd": ["--draft", "--output", "--percentile", "--crosscheck"],
     "sweep": ["--thetas", "--windows", "--ks", "--budgets", "--gates", "--min_counts", "--output_dir"],
-    "audit": ["--method", "--mtbench_questions", "--humaneval_problems", "--time_budget_minutes", "--exec_timeout"],
+    "audit": ["--method", "--mtbench_questions", "--humaneval_problems", "--time_budget_minutes", "--exec_timeout",
+              "--batch_size", "--speed_problems"],
 }
 
 BAD_FLAGS = [
@@ -220,6 +221,9 @@ def test_audit_table_with_sandboxed_pass_at_1(env, tmp_path):
     assert s["exact"]["humaneval_pass_at_1"] == s["target-only"]["humaneval_pass_at_1"]
     recs = record["parts"]["humaneval"]["methods"][0]["records"]
     assert recs[0]["task_id"] == "HumanEval/0" and "result" in recs[0]
+    lines = [json.loads(x) for x in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert sorted((r["task_id"], r["method"]) for r in lines) == sorted(
+        (t, m) for t in ("MT-Bench/0", "HumanEval/0") for m in ("target-only", "exact", "fly:theta=0.5,window=1"))
     assert (tmp_path / "audit.md").read_text().startswith("Audit:")
 
 

@@ -1,0 +1,103 @@
+"""experiments/audit.py killed mid-run and rerun gives the uninterrupted run's files.
+
+Subprocesses on `random:tiny` (experiments/_models.py) with K = 2, 6 tokens per answer,
+2 MT-Bench questions and 4 HumanEval problems (every one fails with a random model, which
+is fine here), batch 2, one prompt bucket; the runs share a JAX compilation cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+AUDIT = ROOT / "experiments" / "audit.py"
+ARGS = ["--model", "random:tiny", "--k", "2", "--draft", "self:1", "--method", "exact", "--method", "csd",
+        "--mtbench_questions", "2", "--mtbench_max_new_tokens", "6", "--humaneval_problems", "4",
+        "--humaneval_max_new_tokens", "6", "--batch_size", "2", "--prompt_bucket", "1024", "--noself_check"]
+METHODS = ("target-only", "exact", "csd")
+TASKS = [f"MT-Bench/{i}" for i in range(2)] + [f"HumanEval/{i}" for i in range(4)]
+KEYS = ["task_id", "method", "reply", "completion", "passed", "tokens", "tau", "loose", "differs_from_target",
+        "first_diff"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, not the 8 fake ones of conftest.py
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1")
+    return env
+
+
+def audit(out_dir, env, *extra):
+    return subprocess.Popen([sys.executable, str(AUDIT), *ARGS, *extra, "--output_dir", str(out_dir)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def finish(proc, ok=True):
+    out, err = proc.communicate(timeout=300)
+    if ok:
+        assert proc.returncode == 0, f"audit failed:\n{out[-3000:]}\n{err[-3000:]}"
+    return out, err
+
+
+def lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def by_key(rows, *names):
+    keys = [tuple(r[n] for n in names) for r in rows]
+    assert len(set(keys)) == len(keys), "a (task, method) appears twice"
+    return dict(zip(keys, rows))
+
+
+def test_a_killed_audit_resumes_to_the_uninterrupted_result(env, tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    finish(audit(whole, env))  # also fills the compilation cache, so the next run's pace is steady
+    want = lines(whole / "completions.jsonl")
+    assert all(list(r) == KEYS for r in want)
+    assert {(r["task_id"], r["method"]) for r in want} == {(t, m) for t in TASKS for m in METHODS}
+    assert all(r["passed"] is False and r["completion"] is not None for r in want if r["task_id"][0] == "H")
+    assert all(r["passed"] is None and r["completion"] is None for r in want if r["task_id"][0] == "M")
+    assert all(r["first_diff"] is None for r in want if r["method"] in ("target-only", "exact"))
+
+    proc = audit(resumed, env)
+    path, deadline = resumed / "completions.jsonl", time.monotonic() + 240
+    while not (path.exists() and path.read_bytes().count(b"\n") >= 4):
+        assert proc.poll() is None, "the audit ended before it could be killed"
+        assert time.monotonic() < deadline, "no completions were written"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    partial = path.read_bytes()
+    written = partial.count(b"\n")
+    assert 4 <= written < len(want), f"{written} lines: the kill came too late to test anything"
+    path.write_bytes(partial + b'{"task_id": "HumanEval/3", "method": "cs')  # as if a write were cut off too
+
+    out, err = finish(audit(resumed, env))
+    assert f"{written}/{len(want)} completions already in" in err
+    assert "ended in a cut-off line" in err
+    got = lines(path)
+    assert len(got) == len(want)  # nothing duplicated, nothing lost
+    assert by_key(got, "task_id", "method") == by_key(want, "task_id", "method")
+    assert got[:written] == [json.loads(x) for x in partial.splitlines()]  # what was there stayed as it was
+    assert by_key(lines(resumed / "mtbench_logprob.jsonl"), "task_id", "method") == \
+        by_key(lines(whole / "mtbench_logprob.jsonl"), "task_id", "method")
+    assert "| csd |" in (resumed / "audit.md").read_text()
+
+    out, err = finish(audit(resumed, env))  # a finished run decodes nothing again
+    assert f"{len(want)}/{len(want)} completions already in" in err and " batch 1/" not in err
+    assert lines(path) == got
+
+    out, err = finish(audit(resumed, env, "--batch_size", "3"), ok=False)  # other settings, same directory
+    assert "other settings (--batch_size 2 -> 3)" in err and "Traceback" not in err
