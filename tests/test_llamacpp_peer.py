@@ -140,3 +140,9 @@ def test_benchmark_refuses_an_unknown_peer():
     out = subprocess.run([sys.executable, str(EXP / "benchmark.py"), "--peer=vllm", "--num_prompts=1"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "unknown --peer value(s): vllm" in out.stderr
+
+
+def test_first_call_binary_documents_its_flags():
+    out = subprocess.run([sys.executable, str(EXP / "first_call.py"), "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "ladder_lengths" in out.stdout + out.stderr
