@@ -1,24 +1,37 @@
-r"""Target-only greedy decoding: specjax against transformers' generate, interleaved.
+r"""Target-only greedy decoding: specjax against transformers and llama.cpp, interleaved.
 
-Both load the same GGUF (transformers dequantizes it to float32; specjax keeps
-the layer weights block-quantized, the same values). Same prompt, fixed token
-budget (EOS ignored on both sides), batch 1 and batch 8. Each repetition runs
-transformers, then specjax, in alternating order; medians and the ratio are
-printed, with the fraction of the memory-bandwidth roofline:
+All load the same GGUF (transformers dequantizes it to float32; specjax keeps
+the weight matrices block-quantized, the same values; llama.cpp reads the file's
+own blocks). Same prompt, fixed token budget (EOS ignored on every side), batch
+1 and batch 8. Each repetition runs every engine, in alternating order; medians
+and the ratios are printed, with the fraction of the memory-bandwidth roofline:
 weight bytes per token x tokens/s / copy bandwidth measured in this run.
+
+--compare_head adds specjax with the embedding / LM head expanded to float32 (the
+layout before the head was kept quantized), interleaved with the quantized one.
+--peer llamacpp adds `llama-bench -p 0 -n N -d <prompt length> -r 1` per repetition
+(generation only, timed by llama.cpp; binaries from scripts/build_llamacpp.sh).
 
     python experiments/bench_decode.py                      # SmolLM2, 128 tokens, 5 repetitions
     python experiments/bench_decode.py --reps 3 --batch8=false
+    python experiments/bench_decode.py --batch8=false --transformers=false --compare_head \
+        --peer llamacpp --llamacpp_dir ~/.cache/specjax/llama.cpp/bin
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
 from absl import app, flags, logging
 
-from _common import machine  # noqa: E402  (experiments/ is on sys.path when run as a script)
+try:  # imported as experiments.bench_decode (tests) or run as a script (experiments/ on sys.path)
+    from experiments import _llamacpp
+    from experiments._common import machine
+except ImportError:
+    import _llamacpp
+    from _common import machine
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset (a GGUF that transformers can load).")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per request.")
@@ -27,6 +40,13 @@ _BATCH8 = flags.DEFINE_boolean("batch8", True, "Also measure batch 8.")
 _PROMPT = flags.DEFINE_string("prompt", "Write a Python function that returns the n-th prime number, "
                               "with a docstring and comments.", "User message (chat template applied).")
 _PEER = flags.DEFINE_boolean("transformers", True, "Run transformers beside specjax.")
+_PEERS = flags.DEFINE_multi_enum("peer", [], ["llamacpp"], "Further peers: llamacpp (llama-bench on the "
+                                 "same GGUF at the prompt's depth).")
+_LLAMACPP_DIR = flags.DEFINE_string("llamacpp_dir", "", "Directory of llama.cpp's binaries (scripts/"
+                                    "build_llamacpp.sh); empty: on PATH.")
+_THREADS = flags.DEFINE_integer("llamacpp_threads", os.cpu_count() or 1, "llama.cpp's -t.")
+_COMPARE_HEAD = flags.DEFINE_boolean("compare_head", False, "Also run specjax with the embedding / LM head "
+                                     "expanded to float32 (same values), interleaved.")
 
 
 def copy_bandwidth_gbs(nbytes: int = 256 << 20, reps: int = 5) -> float:
@@ -52,12 +72,24 @@ def main(argv):
 
     if _NEW.value <= 0 or _REPS.value <= 0:
         raise app.UsageError("--max_new_tokens and --reps must be positive")
+    llama = None
+    if "llamacpp" in _PEERS.value:  # checked before anything loads
+        try:
+            llama = _llamacpp.Peer(_LLAMACPP_DIR.value or None, str(models.presets.resolve(_MODEL.value)),
+                                   _NEW.value, _THREADS.value)
+            llama.check(["llama-bench"])
+        except (_llamacpp.MissingBinaryError, models.presets.PresetError) as e:
+            raise app.UsageError(str(e)) from None
     m = models.load(_MODEL.value)
     ids = m.tokenizer.chat_prompt_ids(_PROMPT.value)
     batches = [1, 8] if _BATCH8.value else [1]
-    ours = {b: specjax.Engine(m, max_new_tokens=_NEW.value, eos_ids=()) for b in batches}
-    for b in batches:  # compile outside the timings
-        ours[b].generate([ids] * b)
+    variants = {"specjax": m}
+    if _COMPARE_HEAD.value:
+        variants["specjax (float32 head)"] = float_head(m)
+    ours = {(name, b): specjax.Engine(v, max_new_tokens=_NEW.value, eos_ids=())
+            for name, v in variants.items() for b in batches}
+    for engine in ours.values():  # compile outside the timings
+        engine.generate([ids] * engine_batch(engine, ours))
 
     peer = None
     if _PEER.value:
@@ -79,48 +111,79 @@ def main(argv):
 
         run_peer(1)  # warm-up
 
-    ours_bytes = quant.param_bytes(m.params)
-    bandwidth = copy_bandwidth_gbs()
-    times = {("specjax", b): [] for b in batches}
+    weight_bytes = {name: quant.param_bytes(v.params) for name, v in variants.items()}
     if peer is not None:
-        times.update({("transformers", b): [] for b in batches})
-    first_tokens = None
+        weight_bytes["transformers"] = peer_bytes
+    if llama is not None:  # the file's own bytes: what llama.cpp reads per token
+        weight_bytes["llama.cpp"] = os.path.getsize(llama.model)
+    bandwidth = copy_bandwidth_gbs()
+    loads = [os.getloadavg()]
+    engines = [*variants] + (["transformers"] if peer is not None else []) + (["llama.cpp"] if llama else [])
+    times = {(who, b): [] for who in engines for b in batches if who != "llama.cpp" or b == 1}
+    first_tokens = {}
     for rep in range(_REPS.value):
-        order = ["transformers", "specjax"] if rep % 2 == 0 else ["specjax", "transformers"]
+        order = engines if rep % 2 == 0 else engines[::-1]
         for b in batches:
             for who in order:
-                if who == "transformers" and peer is None:
+                if (who, b) not in times:
                     continue
-                t = time.perf_counter()
-                if who == "specjax":
-                    out = ours[b].generate([ids] * b)
-                    n = len(out.tokens[0])
-                    first_tokens = first_tokens or out.tokens[0]
+                if who == "llama.cpp":  # timed by llama.cpp itself: generation at the prompt's depth
+                    r = llama.plain(len(ids))
+                    n, dt = r.tokens, r.seconds
                 else:
-                    n = run_peer(b)
-                dt = time.perf_counter() - t
+                    t = time.perf_counter()
+                    if who == "transformers":
+                        n = run_peer(b)
+                    else:
+                        out = ours[(who, b)].generate([ids] * b)
+                        n = len(out.tokens[0])
+                        first_tokens.setdefault(who, out.tokens[0])
+                    dt = time.perf_counter() - t
                 assert n == _NEW.value, (who, n)
                 times[(who, b)].append(b * n / dt)
+        loads.append(os.getloadavg())
     bandwidth = max(bandwidth, copy_bandwidth_gbs())
 
     print(f"machine: {machine()}" + (f"; torch threads {torch.get_num_threads()}" if peer is not None else ""))
+    print("load averages (1, 5, 15 min) before and after each repetition: "
+          + "; ".join("/".join(f"{x:.1f}" for x in la) for la in loads))
     print(f"model: {_MODEL.value}; prompt {len(ids)} tokens; {_NEW.value} new tokens; "
           f"{_REPS.value} interleaved repetitions; copy bandwidth {bandwidth:.1f} GB/s (read+write)")
-    print(f"weight bytes per token: specjax {ours_bytes / 1e6:.0f} MB (block-quantized layers), "
-          + (f"transformers {peer_bytes / 1e6:.0f} MB (float32)" if peer is not None else ""))
+    print("weight bytes per token: " + ", ".join(f"{who} {nb / 1e6:.0f} MB" for who, nb in weight_bytes.items())
+          + " (specjax: block-quantized matrices; float32 head: embedding/head expanded; transformers: float32; "
+          "llama.cpp: the GGUF file)")
     print()
     print("| engine | batch | tokens/s (median) | min | max | roofline fraction |")
     print("|---|---|---|---|---|---|")
     for (who, b), tps in times.items():
         med = statistics.median(tps)
-        weight_bytes = ours_bytes if who == "specjax" else peer_bytes
-        roof = weight_bytes * med / b / (bandwidth * 1e9)  # weights are read once per step for the batch
+        roof = weight_bytes[who] * med / b / (bandwidth * 1e9)  # weights are read once per step for the batch
         print(f"| {who} | {b} | {med:.1f} | {min(tps):.1f} | {max(tps):.1f} | {roof:.2f} |")
-    if peer is not None:
+    for other in engines[1:]:
         for b in batches:
-            ratio = statistics.median(times[("specjax", b)]) / statistics.median(times[("transformers", b)])
-            print(f"\nspeedup over transformers at batch {b}: {ratio:.2f}x")
-    print("\nfirst tokens:", repr(m.tokenizer.decode(first_tokens[:24])))
+            if (other, b) in times:
+                ratio = statistics.median(times[("specjax", b)]) / statistics.median(times[(other, b)])
+                print(f"\nspecjax / {other} at batch {b}: {ratio:.2f}x")
+    if len(set(map(tuple, first_tokens.values()))) > 1:
+        raise AssertionError(f"specjax variants disagree on the tokens: {first_tokens}")
+    print("\nfirst tokens:", repr(m.tokenizer.decode(first_tokens["specjax"][:24])))
+
+
+def engine_batch(engine, ours) -> int:
+    return next(b for (_, b), e in ours.items() if e is engine)
+
+
+def float_head(m):
+    """`m` with its block-quantized embedding / LM head expanded to float32 (the same values)."""
+    import jax
+
+    from specjax.models import quant
+
+    params = dict(m.params)
+    for name in ("embed", "lm_head"):
+        if name in params and isinstance(params[name], quant.BlockQuant):
+            params[name] = jax.block_until_ready(params[name].dequantize())
+    return m.with_params(params)
 
 
 if __name__ == "__main__":

@@ -4,20 +4,26 @@ For each prompt (batch 1, the latency setting of speculative decoding) the
 binary runs target-only greedy, then every (drafter, method) configuration,
 then target-only again; a configuration's speedup is its tokens/s over the mean
 of the two baselines around it, and the drift between those baselines is
-reported. Tokens/s are totals over the prompts. Optionally transformers runs
-beside it as the peer (plain greedy, prompt lookup, assisted generation), also
-interleaved. Prints a Markdown table and writes a CSV.
+reported. Tokens/s are totals over the prompts. Optionally peers run beside it,
+also interleaved, prompt by prompt: transformers (plain greedy, prompt lookup,
+assisted generation) and llama.cpp's own binaries on the same GGUF files (plain
+decode at the prompt's depth, llama-lookup, llama-speculative for model drafts;
+see experiments/_llamacpp.py, built by scripts/build_llamacpp.sh). Prints a
+Markdown table and writes a CSV.
 
     python experiments/benchmark.py                                  # SmolLM2, pld, 16 HumanEval prompts
     python experiments/benchmark.py --methods=exact,fly --fly=rule=reference,entropy=top3
     python experiments/benchmark.py --model=qwen2.5-coder-1.5b-instruct \
-        --drafts=qwen2.5-coder-0.5b-instruct --num_prompts=4 --max_new_tokens=64 --peer
+        --drafts=qwen2.5-coder-0.5b-instruct --num_prompts=4 --max_new_tokens=64 --peer=transformers
+    python experiments/benchmark.py --methods=fly,fly-published --num_prompts=8 --stop_at_eos=false \
+        --peer=llamacpp --llamacpp_dir ~/.cache/specjax/llama.cpp/bin
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -26,8 +32,10 @@ from absl import app, flags, logging
 
 try:  # imported as experiments.benchmark (tests) or run as a script (experiments/ on sys.path)
     from experiments import _common as C
+    from experiments import _llamacpp
 except ImportError:
     import _common as C
+    import _llamacpp
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
 _DRAFTS = flags.DEFINE_list("drafts", ["pld"], "Drafters: pld, self:N, a preset/path (draft model), "
@@ -45,8 +53,12 @@ _CHAT_HE = flags.DEFINE_boolean("humaneval_chat", False, "HumanEval as a chat re
 _EOS = flags.DEFINE_boolean("stop_at_eos", True, "Stop at EOS (False: exactly max_new_tokens per prompt).")
 _TYPICAL_T = flags.DEFINE_float("typical_temperature", 0.7, "Temperature of the typical method (a T > 0 rule).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the sampling methods.")
-_PEER = flags.DEFINE_boolean("peer", False, "Run transformers beside specjax (greedy, prompt lookup, "
-                             "assisted generation for model drafts).")
+_PEER = flags.DEFINE_list("peer", [], "Peers run beside specjax: transformers (greedy, prompt lookup, "
+                          "assisted generation for model drafts) and/or llamacpp (llama-bench plain decode at "
+                          "the prompt's depth, llama-lookup, llama-speculative for model drafts).")
+_LLAMACPP_DIR = flags.DEFINE_string("llamacpp_dir", "", "Directory of llama.cpp's binaries (scripts/"
+                                    "build_llamacpp.sh); empty: on PATH.")
+_THREADS = flags.DEFINE_integer("llamacpp_threads", os.cpu_count() or 1, "llama.cpp's -t.")
 _PLD_TOKENS = flags.DEFINE_integer("peer_pld_tokens", 10, "transformers' prompt_lookup_num_tokens.")
 _CSV = flags.DEFINE_string("csv", "benchmark.csv", "Where to write the per-configuration rows.")
 _BUCKET = flags.DEFINE_integer("prompt_bucket", 64, "Prompts are padded to a multiple of this many tokens "
@@ -100,6 +112,7 @@ def main(argv):
     if unknown:
         raise app.UsageError(f"unknown method(s): {', '.join(unknown)}")
     options = {m: parse_options(m, f.value) for m, f in _OPTIONS.items()}
+    llama_peer = make_llamacpp_peer(_PEER.value, _MODEL.value, _DRAFTS.value)  # before any loading
     mesh = make_mesh(_MESH.value)
     started = time.perf_counter()
     target = models.load(_MODEL.value)
@@ -110,6 +123,8 @@ def main(argv):
             prompts += [("humaneval", tok.encode(p["prompt"])) for p in data.humaneval_problems(_NUM.value)]
         else:
             prompts += [(dataset, tok.chat_prompt_ids(m)) for m in data.messages(dataset, _NUM.value)]
+    if llama_peer:
+        _log(f"llama.cpp peer: {', '.join(llama_peer)}; prompt depths {[len(ids) for _, ids in prompts]}")
     eos = None if _EOS.value else ()
     baseline = specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=eos, mesh=mesh,
                               prompt_bucket=_BUCKET.value)
@@ -125,7 +140,7 @@ def main(argv):
                 target, draft=draft, method=rule, k=_K.value, max_new_tokens=_NEW.value, temperature=T,
                 seed=_SEED.value, eos_ids=eos, mesh=mesh, prompt_bucket=_BUCKET.value, **opts)
 
-    peer = _make_peer(target, _DRAFTS.value) if _PEER.value else {}
+    peer = _make_peer(target, _DRAFTS.value) if "transformers" in _PEER.value else {}
     _log(f"compiling {1 + len(configs)} programs over {len(prompts)} prompts ...")
     buckets = {}
     for _, ids in prompts:  # compile each prompt-length bucket once, outside the timings
@@ -136,6 +151,7 @@ def main(argv):
     _log("measuring ...")
     base, tallies, drift = Tally(), {key: Tally() for key in configs}, []
     peer_tallies = {name: Tally() for name in peer}
+    llama_tallies = {name: Tally() for name in llama_peer}
     for i, (dataset, ids) in enumerate(prompts):
         t = time.perf_counter()
         reference = baseline.generate([ids]).tokens
@@ -149,6 +165,11 @@ def main(argv):
             t = time.perf_counter()
             n = run(ids)
             peer_tallies[name].add([[0] * n], time.perf_counter() - t)
+        for name, run in llama_peer.items():  # timed by llama.cpp itself (generation only)
+            r = run(ids, tok.decode(ids))
+            llama_tallies[name].add([[0] * r.tokens], r.seconds)
+            if r.drafted is not None:
+                llama_tallies[name].stats.append((r.drafted, r.accepted))
         t = time.perf_counter()
         baseline.generate([ids])
         second = time.perf_counter() - t
@@ -169,7 +190,17 @@ def main(argv):
         rows.append(dict(engine="transformers", drafter=name.split(":")[0], method=name.split(":")[1],
                          tokens_per_s=tally.tps, speedup=tally.tps / base.tps, tau=float("nan"),
                          accepted_per_round=float("nan"), loose_share=float("nan"), divergence=float("nan")))
-    print(f"\nmachine: {C.machine()}")
+    for name, tally in llama_tallies.items():
+        drafted = sum(d for d, _ in tally.stats)
+        accepted = sum(a for _, a in tally.stats)
+        rows.append(dict(engine="llama.cpp", drafter=name.split(":")[0], method=name.split(":")[1],
+                         tokens_per_s=tally.tps, speedup=tally.tps / base.tps, tau=float("nan"),
+                         accepted_per_round=float("nan"), loose_share=float("nan"), divergence=float("nan"),
+                         llama_acceptance=accepted / drafted if drafted else float("nan")))
+    print(f"\nmachine: {C.machine()}; load averages at the end {os.getloadavg()}")
+    if llama_peer:
+        print("llama.cpp rows: generation only, timed by llama.cpp (its prefill excluded; specjax's rows "
+              f"include theirs); threads {_THREADS.value}; acceptance = accepted/drafted tokens")
     print(f"target {_MODEL.value}; {len(prompts)} prompts ({', '.join(_DATASETS.value)}"
           f"{', HumanEval as raw completion' if 'humaneval' in _DATASETS.value and not _CHAT_HE.value else ''}); "
           f"K={_K.value}; "
@@ -183,12 +214,51 @@ def main(argv):
     for r in rows:
         print(f"| {r['engine']} | {r['drafter']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} "
               f"| {r['tau']:.2f} | {r['accepted_per_round']:.2f} | {r['loose_share']:.2f} | {r['divergence']:.2f} |")
+    for r in rows:
+        if "llama_acceptance" in r and r["llama_acceptance"] == r["llama_acceptance"]:  # not NaN
+            print(f"llama.cpp {r['method']}: {r['llama_acceptance']:.1%} of drafted tokens accepted")
     if _CSV.value:
         with open(_CSV.value, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["llama_acceptance"], restval="")
             writer.writeheader()
             writer.writerows(rows)
         print(f"\nwrote {_CSV.value}")
+
+
+def gguf_path(source: str) -> str:
+    """The GGUF file of a preset or a .gguf path (what llama.cpp reads)."""
+    from specjax import models
+
+    if source in models.PRESETS:
+        return str(models.presets.resolve(source))
+    if source.endswith(".gguf"):
+        return source
+    raise app.UsageError(f"the llama.cpp peer reads GGUF files; {source!r} is neither a preset nor a .gguf file")
+
+
+def make_llamacpp_peer(peers, model: str, drafts) -> dict:
+    """{"drafter:method": run(ids, text) -> _llamacpp.Run} for --peer llamacpp, checked before anything
+    loads: binaries missing -> a UsageError naming scripts/build_llamacpp.sh."""
+    unknown = sorted(set(peers) - {"transformers", "llamacpp"})
+    if unknown:
+        raise app.UsageError(f"unknown --peer value(s): {', '.join(unknown)} (known: transformers, llamacpp)")
+    if "llamacpp" not in peers:
+        return {}
+    model_drafts = [d[4:] if d.startswith("pld+") else d for d in drafts]
+    model_drafts = [d for d in model_drafts if d != "pld" and not d.startswith("self:")]
+    names = ["llama-bench", "llama-lookup"] + (["llama-speculative"] if model_drafts else [])
+    peer = _llamacpp.Peer(_LLAMACPP_DIR.value or None, gguf_path(model), _NEW.value, _THREADS.value, _K.value,
+                          ignore_eos=not _EOS.value)
+    try:
+        peer.check(names)
+    except _llamacpp.MissingBinaryError as e:
+        raise app.UsageError(str(e)) from None
+    runs = {"none:target-only (llama-bench, depth = prompt)": lambda ids, text: peer.plain(len(ids)),
+            f"pld:llama-lookup (K={_K.value})": lambda ids, text: peer.lookup(text)}
+    for d in model_drafts:
+        with_draft = dataclasses.replace(peer, draft_model=gguf_path(d))
+        runs[f"{d}:llama-speculative (K={_K.value})"] = lambda ids, text, p=with_draft: p.speculative(text)
+    return runs
 
 
 def make_mesh(text: str):

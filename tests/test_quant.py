@@ -94,3 +94,70 @@ def test_layers_of_mixed_types_stack_to_one_form():
         np.testing.assert_array_equal(np.asarray(stacked.dequantize())[i], np.asarray(layer.dequantize()))
     mixed = quant.stack_layers([layers[0], np.ones((64, 4), np.float32)])  # one float layer: all float
     assert isinstance(mixed, np.ndarray) and mixed.shape == (2, 64, 4)
+
+
+def _table(qtype, D, V, seed=0):
+    """A [D, V] table stored as the GGUF stores an embedding ([V, D] rows, blocks along D)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((V, D)) * rng.uniform(0.01, 2, (V, 1))).astype(np.float32)
+    data = gguf.quants.quantize(w, qtype)
+    return quant.extract_codes(data, qtype).as_linear((D, V)), gguf.quants.dequantize(data, qtype).T
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1])
+@pytest.mark.parametrize("V, chunk", [(96, 32), (100, 32), (64, 128), (37, 8)])
+def test_head_in_vocabulary_chunks_gives_the_dequantized_logits(qtype, V, chunk):
+    """Chunks that divide V, that do not (the last one overlaps), and one larger than V: bit for bit
+    the float table's logits in the same chunks (the float32 model's head), and the plain product's
+    up to the reduction order over D (XLA:CPU blocks it differently for different widths)."""
+    bq, table = _table(qtype, 64, V, seed=V)
+    x = jax.random.normal(jax.random.PRNGKey(V), (2, 3, 64))
+    chunked = jax.jit(lambda x, w: quant.matmul_columns(x, w, chunk=chunk))
+    got = chunked(x, bq)
+    assert got.shape == (2, 3, V) and got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(chunked(x, jnp.asarray(table))))
+    plain = jnp.einsum("btd,dv->btv", x, jnp.asarray(table), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(plain), rtol=1e-5, atol=1e-5)
+
+
+def test_head_chunks_in_bf16_match_the_bf16_table():
+    bq, table = _table(T.Q8_0, 64, 100)
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, 2, 64)).astype(jnp.bfloat16)
+    chunked = jax.jit(lambda x, w: quant.matmul_columns(x, w, jnp.bfloat16, chunk=32))
+    np.testing.assert_array_equal(np.asarray(chunked(x, bq)), np.asarray(chunked(x, jnp.asarray(table, jnp.bfloat16))))
+
+
+def test_embedding_lookup_gathers_the_dequantized_columns():
+    bq, table = _table(T.Q4_1, 64, 50)
+    ids = jnp.asarray([[0, 49, 7], [7, 7, 1]])
+    got = jax.jit(quant.take_columns)(bq, ids)
+    assert got.shape == (2, 3, 64)
+    np.testing.assert_array_equal(np.asarray(got), table.T[np.asarray(ids)])
+    with pytest.raises(ValueError, match="unstacked"):
+        quant.take_columns(quant.BlockQuant(bq.codes[None], bq.scale[None], bq.offset[None], bq.shape[:1]), ids)
+
+
+def test_padded_quantized_vocabulary_has_zero_columns():
+    from specjax import models
+
+    bq, table = _table(T.Q8_0, 32, 10)
+    padded = quant.pad_columns(bq, 6)
+    assert padded.shape == (32, 16)
+    np.testing.assert_array_equal(np.asarray(padded.dequantize()), np.pad(table, [(0, 0), (0, 6)]))
+    config = models.Config(vocab_size=10, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                           num_kv_heads=1, head_dim=16, tie_embeddings=True)
+    m = models.random_model(config)
+    m = m.with_params({**m.params, "embed": bq})
+    wide = models.pad_vocab(m, 16)
+    logits = wide.logits(jnp.asarray([[1, 2, 9]]))
+    assert wide.config.vocab_used == 10 and bool(jnp.all(jnp.isneginf(logits[..., 10:])))
+    np.testing.assert_array_equal(np.asarray(logits[..., :10]), np.asarray(m.logits(jnp.asarray([[1, 2, 9]]))))
+
+
+@pytest.mark.smollm2
+def test_smollm2_embedding_and_head_keep_the_files_blocks(smollm2):
+    """SmolLM2's tied Q8_0 table stays int8 codes: about 1.1 bytes a weight instead of 4."""
+    embed = smollm2.params["embed"]
+    assert isinstance(embed, quant.BlockQuant) and embed.codes.dtype == jnp.int8
+    assert embed.shape == (576, 49152)
+    assert embed.nbytes < 0.3 * 576 * 49152 * 4

@@ -78,6 +78,25 @@ def test_regions_read_only_what_they_cover(checkpoints):
     assert shards.BYTES_READ["layers"] == 2 * Dh * D // 32 * 34
 
 
+def test_quantized_head_regions_read_only_what_they_cover(checkpoints):
+    """The Q8_0 LM head stays block-quantized ([D, V], blocks along D, as the converted tree);
+    a region of it reads its vocabulary rows and whole blocks, no more."""
+    _, lazy = shards.lazy_gguf(checkpoints["gguf"])
+    head = lazy["lm_head"]
+    assert isinstance(head, quant.BlockQuant) and head.offset is None
+    D, V = head.shape
+    whole = head.codes.read((slice(None),) * 3)
+    head.codes.read.group.clear()
+    shards.BYTES_READ.clear()
+    part = head.codes.read((slice(None), slice(None), slice(V // 4, V // 2)))
+    np.testing.assert_array_equal(part, whole[:, :, V // 4:V // 2])
+    assert shards.BYTES_READ["other"] == V // 4 * D // 32 * 34
+    head.codes.read.group.clear()
+    shards.BYTES_READ.clear()
+    head.scale.read((slice(2, 4), slice(None), slice(0, V // 8)))  # 2 blocks of V/8 rows
+    assert shards.BYTES_READ["other"] == V // 8 * 2 * 34
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
 @pytest.mark.parametrize("name", ["hf-qwen2-bf16-tied-sharded", "gguf-mixed"])

