@@ -33,7 +33,7 @@ from flax import struct
 
 from specjax import pallas, sampling, verify
 from specjax.metrics import Counters
-from specjax.models import llama
+from specjax.models import llama, quant
 from specjax.models.config import Config
 from specjax.models.llama import KVCache
 
@@ -95,16 +95,25 @@ class Program:
     @functools.partial(jax.jit, static_argnames=("self",))
     def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state) -> Output:
         """The whole generation: prefill, then rounds until every row is done."""
-        state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state)
-        if self.drafter is None:
-            body = functools.partial(self.target_only_round, params)
-        else:
-            body = functools.partial(self.speculative_round, params)
-        state = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), body, state)
+        with quant.head_chunks(self.head_chunk):
+            state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state)
+            if self.drafter is None:
+                body = functools.partial(self.target_only_round, params)
+            else:
+                body = functools.partial(self.speculative_round, params)
+            state = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), body, state)
         out = Output(seq_BS=state.seq_BS, num_out_B=state.num_out_B, counters=state.counters,
                      rule_state=state.rule_state)
         # replicated outputs: every process of a multi-process run reads them
         return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.layout.replicated)
+
+    @property
+    def head_chunk(self) -> int:
+        """Vocabulary columns per step of the LM head's scan (`quant.matmul_columns`): chunked on
+        an unsharded CPU program, one whole dot on GPU/TPU or a vocabulary-split mesh."""
+        if self.layout is None:
+            return quant.default_head_chunk()
+        return quant.default_head_chunk(self.layout.mesh.devices.flat[0].platform, self.layout.vocab_sharded)
 
     # -- the pieces of the loop -------------------------------------------------
 

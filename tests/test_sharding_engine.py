@@ -6,6 +6,7 @@ a token differs, the test shows that the target's top-2 logit gap there, after t
 common prefix, is below 1e-4: a near tie. Any other difference is a bug.
 """
 
+import re
 
 import jax
 import numpy as np
@@ -90,7 +91,13 @@ def assert_partitioned(engine, prompts, attention):
     for name in names:
         for s in jax.tree.leaves(shardings["layers"][name]):  # a BlockQuant has several arrays
             assert not s.is_fully_replicated and "model" in jax.tree.leaves(tuple(s.spec)), name
-    assert shardings["embed"].spec == jax.sharding.PartitionSpec(None, "model")
+    for s in jax.tree.leaves(shardings["embed"]):  # a float [D, V] table, or a BlockQuant's arrays
+        assert jax.tree.leaves(tuple(s.spec)) == ["model"] and s.spec[-1] == "model"
+    # the embedding / LM head table is never gathered whole: each device dots its own columns
+    table = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(engine.params.target["embed"]))
+    gathered = [int(np.prod([int(d) for d in dims.split(",") if d]))
+                for dims in re.findall(r"= \w+\[([\d,]*)\][^ ]* all-gather\(", compiled.as_text())]
+    assert all(n < table // 4 for n in gathered), (table, sorted(gathered)[-3:])
     stats = compiled.memory_analysis()
     if stats is not None:  # what one device receives: its shards of the weights, plus the small inputs
         planned = sum(sharding.max_bytes_per_device(p) for p in (engine.params.target, engine.params.draft) if jax.tree.leaves(p))

@@ -17,6 +17,7 @@ against the library's dequantization of the original before returning.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -64,6 +65,28 @@ def materialize(w, dtype=jnp.float32) -> jax.Array:
 # float32 = 2.4 MB for SmolLM2) stays in cache between its dequantization and the dot.
 VOCAB_CHUNK = 1024
 
+# The chunking is a fix for XLA:CPU. On a GPU/TPU, or with the table split over the vocabulary
+# on a mesh (where a scan of dynamic slices would all-gather the whole table every step), the
+# head is one dot that GSPMD shards. None: decide from the default backend (see head_chunks).
+_head_chunk: list = [None]
+
+
+@contextlib.contextmanager
+def head_chunks(chunk: int | None):
+    """Within this context (at trace time) `matmul_columns` reads the head `chunk` columns at a
+    time (0: one whole dot). `loop.Program` sets it from its platform and layout."""
+    _head_chunk.append(chunk)
+    try:
+        yield
+    finally:
+        _head_chunk.pop()
+
+
+def default_head_chunk(platform: str | None = None, vocab_sharded: bool = False) -> int:
+    """VOCAB_CHUNK on an unsharded CPU program, else 0 (one whole dot)."""
+    platform = platform or jax.default_backend()
+    return VOCAB_CHUNK if platform == "cpu" and not vocab_sharded else 0
+
 
 def take_columns(w: BlockQuant, ids, dtype=jnp.float32) -> jax.Array:
     """Columns `ids` of a [D, V] block-quantized table (the embedding lookup): [*ids.shape, D].
@@ -78,7 +101,7 @@ def take_columns(w: BlockQuant, ids, dtype=jnp.float32) -> jax.Array:
     return jnp.moveaxis(x, 0, -1).astype(dtype)
 
 
-def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int = VOCAB_CHUNK) -> jax.Array:
+def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int | None = None) -> jax.Array:
     """float32[B, T, V] = x @ w for a [D, V] table (the LM head), float or block-quantized.
 
     Outside the layer scan XLA:CPU fuses a dequantization into the dot as a naive loop
@@ -88,11 +111,16 @@ def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int = VOCAB_CH
     numbers of columns, so the float32 model and the block-quantized one give the same
     logits bit for bit only when both compute them in the same chunks. The last chunk
     starts at V - chunk (dynamic_slice clamps), overlapping its neighbour when chunk
-    does not divide V.
+    does not divide V. chunk 0 is one whole dot; None takes the `head_chunks` context, or
+    `default_head_chunk()` outside one.
     """
     shape = w.shape
     if len(shape) != 2 or (isinstance(w, BlockQuant) and w.codes.ndim != 3):
         raise ValueError(f"matmul_columns needs an unstacked [D, V] table, got shape {shape}")
+    if chunk is None:
+        chunk = _head_chunk[-1] if _head_chunk[-1] is not None else default_head_chunk()
+    if chunk == 0:
+        return jnp.einsum("btd,dv->btv", x_BTD, materialize(w, dtype), preferred_element_type=jnp.float32)
     V = shape[1]
     chunk = min(chunk, V)
     n = -(-V // chunk)
