@@ -187,9 +187,12 @@ def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None, datase
     if prompts_file:
         try:
             with open(prompts_file, encoding="utf-8") as f:
-                out += [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
+                lines = [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
             raise app.UsageError(f"cannot read --prompts_file: {e}") from None
+        if not lines:
+            raise app.UsageError(f"--prompts_file {prompts_file}: no prompts in it (empty, or blank lines only)")
+        out += lines
     if dataset:
         from specjax import data
 
@@ -366,7 +369,7 @@ def save_csd_memory(path: str | os.PathLike, pairs_P2: np.ndarray, counts_P: np.
     path = pathlib.Path(path).resolve()
     path.mkdir(parents=True, exist_ok=True)
     verify.save_csd_memory(path / "memory", verify.csd_memory(capacity, np.asarray(pairs_P2, np.int32).reshape(-1, 2),
-                                                              np.asarray(counts_P, np.int32)))
+                                                              np.asarray(counts_P, np.int32)), overwrite=True)
     (path / "calibration.json").write_text(json.dumps(metadata, indent=1))
     return path
 

@@ -52,6 +52,10 @@ try:
 except ImportError:
     import _common as C
     import _humaneval as H
+try:
+    from experiments import _paths as P
+except ImportError:
+    import _paths as P
 
 DEFAULT_METHODS = ["exact", "fly", "asd", "csd"]
 
@@ -172,6 +176,7 @@ def sandbox_self_check(problems):
 
 
 def main(argv):
+    P.check_output("output_dir", _OUT.value, dir=True)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     for name in ("mtbench_questions", "humaneval_problems"):
@@ -231,13 +236,13 @@ def main(argv):
     wall = time.perf_counter() - start
     table = markdown(summary, parts, wall)
     print(table)
-    (out_dir / "audit.md").write_text(table)
+    P.write_text(out_dir / "audit.md", table)
     C.write_csv(out_dir / "audit.csv", [{"method": s, **row} for s, row in summary.items()])
     record = {"model": _MODEL.value, "draft": _DRAFT.value, "k": _K.value, "machine": C.machine(),
               "csd_memory": flags.FLAGS.csd_memory, "asd_calibration": flags.FLAGS.asd_calibration,
               "mtbench_max_new_tokens": _MT_NEW.value, "humaneval_max_new_tokens": _HE_NEW.value,
               "exec_timeout": _TIMEOUT.value, "wall_seconds": wall, "summary": summary, "parts": parts}
-    (out_dir / "audit.json").write_text(json.dumps(C.jsonable(record), indent=1))
+    P.write_text(out_dir / "audit.json", json.dumps(C.jsonable(record), indent=1))
     C.log(f"wrote {out_dir}/audit.md, audit.csv, audit.json")
 
 
@@ -271,4 +276,4 @@ def markdown(summary, parts, wall) -> str:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    P.run(main)

@@ -24,6 +24,11 @@ import time
 
 from absl import app, flags, logging
 
+try:
+    from experiments import _paths as P
+except ImportError:
+    import _paths as P
+
 from _common import machine  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
@@ -108,6 +113,7 @@ def resolve_draft(spec, target, models):
 
 
 def main(argv):
+    P.check_output("csv", _CSV.value)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
@@ -207,7 +213,7 @@ def main(argv):
         print(f"| {r['engine']} | {r['drafter']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} "
               f"| {r['tau']:.2f} | {r['accepted_per_round']:.2f} | {r['loose_share']:.2f} | {r['divergence']:.2f} |")
     if _CSV.value:
-        with open(_CSV.value, "w", newline="") as f:
+        with P.atomic_open(_CSV.value, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
@@ -292,4 +298,4 @@ def _log(msg):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    P.run(main)

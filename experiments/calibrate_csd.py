@@ -34,6 +34,10 @@ try:
 except ImportError:
     import _common as C
     import _rounds as R
+try:
+    from experiments import _paths as P
+except ImportError:
+    import _paths as P
 
 C.define_calibration_source_flags(num_prompts=40, max_new_tokens=128)
 _POSITIONS = flags.DEFINE_enum("positions", "all", ["all", "rounds"],
@@ -83,6 +87,7 @@ def count_pairs(forced: list[R.Forced], prompt_lens, positions: str, k: int):
 
 
 def main(argv):
+    P.check_output("output", _OUTPUT.value, dir=True); P.check_output("cache_dir", FLAGS.cache_dir, dir=True)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     _validate()
@@ -128,7 +133,7 @@ def main(argv):
         print(f"  {p['count']:6d}  draft {p['draft']!r:>14} -> target {p['target']!r}")
     if held_out:
         meta["eval"] = evaluate(target, held_out, str(path))
-        (path / "calibration.json").write_text(json.dumps(C.jsonable(meta), indent=1))
+        P.write_text(path / "calibration.json", json.dumps(C.jsonable(meta), indent=1))
 
 
 def evaluate(target, texts, memory_path) -> dict:
@@ -156,4 +161,4 @@ def evaluate(target, texts, memory_path) -> dict:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    P.run(main)

@@ -104,6 +104,8 @@ class Engine:
                                                  **rule_options)
             except ValueError as e:
                 raise ValueError(str(e).replace("make_policy", "Engine")) from None
+            if isinstance(rule_options.get("csd_memory"), verify.CSDMemory):  # a memory of another tokenizer
+                verify.check_csd_vocab("Engine", rule_options["csd_memory"], target.config.vocab_size)
         if self.layout is None:
             self._program = jax.jit(loop.generate_program, static_argnums=(0, 1, 2, 3))
             self.placed_params = (target.params, self.draft_params)

@@ -1,0 +1,184 @@
+"""Nothing lost: saving never removes what it did not write, output paths are checked before
+any work, writes are whole or absent, and Ctrl-C ends a binary promptly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specjax import verify
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # experiments/ is not an installed package
+EXP = ROOT / "experiments"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env.update(JAX_PLATFORMS="cpu", MPLBACKEND="Agg", PYTHONPATH=str(ROOT),
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")))
+    return env
+
+
+def _memory():
+    return verify.csd_memory(8, np.array([[1, 2], [3, 4]]), np.array([5, 1]))
+
+
+# --- data loss: save_csd_memory ----------------------------------------------------------------
+
+
+def test_save_csd_memory_refuses_what_it_did_not_write(tmp_path):
+    memory = _memory()
+    plain = tmp_path / "notes.txt"
+    plain.write_text("mine")
+    full = tmp_path / "project"
+    full.mkdir()
+    (full / "a.py").write_text("print(1)")
+    for path in (plain, full):
+        with pytest.raises(FileExistsError, match="refusing to replace"):
+            verify.save_csd_memory(path, memory)
+        with pytest.raises(FileExistsError, match="refusing to replace"):
+            verify.save_csd_memory(path, memory, overwrite=True)  # overwrite is for memories only
+    assert plain.read_text() == "mine" and (full / "a.py").read_text() == "print(1)"
+    cwd = os.getcwd()
+    os.chdir(full)
+    try:
+        with pytest.raises(FileExistsError):
+            verify.save_csd_memory(".", memory, overwrite=True)
+    finally:
+        os.chdir(cwd)
+    assert sorted(os.listdir(full)) == ["a.py"]  # no temporaries left either
+
+
+def test_save_csd_memory_replaces_a_memory_only_with_overwrite(tmp_path):
+    path = tmp_path / "m"
+    verify.save_csd_memory(path, _memory())
+    assert verify.is_saved_memory(path)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        verify.save_csd_memory(path, verify.csd_memory(4))
+    assert verify.load_csd_memory(path).to_dict() == {(1, 2): 5, (3, 4): 1}
+    verify.save_csd_memory(path, verify.csd_memory(4, np.array([[7, 8]])), overwrite=True)
+    assert verify.load_csd_memory(path).to_dict() == {(7, 8): 1}
+    assert sorted(os.listdir(tmp_path)) == ["m"]  # written beside, then moved: no leftovers
+
+
+def test_csd_memory_of_another_vocabulary_is_refused(tmp_path):
+    import specjax
+    from specjax.models import Config, random_model
+
+    model = random_model(Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                num_kv_heads=1, head_dim=8))
+    big = verify.csd_memory(8, np.array([[40, 2]]))
+    with pytest.raises(ValueError, match="token id 40, outside the target's vocabulary of 32"):
+        specjax.Engine(model, "pld", method="csd", k=2, csd_memory=big)
+
+
+# --- output paths, checked before any work ----------------------------------------------------
+
+
+def test_check_output_names_the_problem(tmp_path):
+    from absl import app
+
+    from experiments import _paths
+
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    a_dir = tmp_path / "d"
+    a_dir.mkdir()
+    _paths.check_output("output", tmp_path / "new" / "deeper" / "out.json")  # creatable
+    _paths.check_output("output_dir", a_dir, dir=True)
+    _paths.check_output("output", None)
+    cases = [("output_dir", a_file, True, "is a file; a directory is needed"),
+             ("output", a_dir, False, "is a directory; a file path is needed"),
+             ("output", a_file / "out.json", False, f"lies below {a_file}, which is a file"),
+             ("output_dir", a_file / "sub" / "x", True, "which is a file"),
+             ("csv", "/proc/specjax.csv", False, "cannot write in /proc")]
+    for flag, path, is_dir, message in cases:
+        with pytest.raises(app.UsageError, match=message) as e:
+            _paths.check_output(flag, path, dir=is_dir)
+        assert f"--{flag} {path}" in str(e.value)
+
+
+def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path):
+    from experiments import _paths
+
+    path = tmp_path / "out.json"
+    _paths.write_text(path, "old")
+    with pytest.raises(KeyboardInterrupt):
+        with _paths.atomic_open(path) as f:
+            f.write("half")
+            raise KeyboardInterrupt
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
+
+
+BAD_OUTPUTS = {  # binary: (args, flag); the path lies below a regular file
+    "generate": (["--model", "random:tiny"], "output"),
+    "calibrate_csd": (["--model", "random:tiny", "--draft", "random:tiny:1"], "output"),
+    "calibrate_asd": (["--model", "random:tiny", "--draft", "random:tiny:1", "--output", "{ok}/a.json"],
+                      "cache_dir"),
+    "sweep": (["--model", "random:tiny"], "output_dir"),
+    "audit": (["--model", "random:tiny"], "output_dir"),
+    "benchmark": ([], "csv"),
+    "device_check": ([], "out"),
+    "bench_kernels": ([], "json_out"),
+}
+
+
+def test_every_binary_checks_its_output_path_before_any_work(env, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    procs = {}
+    for name, (args, flag) in BAD_OUTPUTS.items():
+        args = [a.replace("{ok}", str(tmp_path)) for a in args] + [f"--{flag}", str(blocker / "sub" / "out")]
+        procs[name] = (flag, subprocess.Popen([sys.executable, str(EXP / f"{name}.py"), *args], env=env,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+    for name, (flag, proc) in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 1, f"{name}: {out[-2000:]}{err[-2000:]}"
+        assert f"--{flag} {blocker}/sub/out: lies below {blocker}, which is a file" in err, f"{name}: {err[-2000:]}"
+        assert "Traceback" not in err and "[specjax]" not in err, f"{name} started work: {err[-2000:]}"
+
+
+def test_empty_prompts_file_is_refused(env, tmp_path):
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("\n  \n")
+    proc = subprocess.run([sys.executable, str(EXP / "generate.py"), "--model", "random:tiny", "--prompts_file",
+                           str(empty)], env=env, capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert proc.returncode == 1 and "no prompts in it" in proc.stderr, proc.stderr[-2000:]
+
+
+# --- interrupts ---------------------------------------------------------------------------------
+
+
+def test_ctrl_c_during_generation_exits_promptly_with_nothing_half_written(env, tmp_path):
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([sys.executable, str(EXP / "generate.py"), "--model", "random:tiny",
+                             "--max_new_tokens", "200000", "--ignore_eos", "--output", str(out)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    err = ""
+    try:
+        while "generating" not in err:  # compiled; now inside the one long XLA program
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, err
+            err += line
+        time.sleep(1.0)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=60)  # unfixed: minutes (the program runs to its end)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert took < 15, f"exit took {took:.1f}s after SIGINT"
+    assert proc.returncode == 130, (proc.returncode, rest[-2000:])
+    assert "interrupted" in rest
+    assert os.listdir(tmp_path) == []  # no output, no temporary
