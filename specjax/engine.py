@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from specjax import drafters, loop, sharding, verify
+from specjax import _checks, drafters, loop, sharding, verify
 from specjax.models.model import Model
 
 _PROMPT_BUCKET = 16  # prompt lengths are padded to a multiple of this to limit recompiles
@@ -58,6 +58,7 @@ class Engine:
                  pld_match: str = "earliest", prompt_bucket: int = _PROMPT_BUCKET, **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
+        _checks.engine_args(temperature=temperature, top_p=top_p, seed=seed, eos_ids=eos_ids)  # NaN, "12", 1.5
         mesh_config = None if mesh is None else sharding.MeshConfig.of(mesh)  # validated before compiling
         if mesh_config is not None:  # attention="pad": zero heads appended so that they divide the model axis
             target, draft = sharding.prepare_models(mesh_config, target, draft)
@@ -167,6 +168,8 @@ class Engine:
                 raise ValueError(
                     f"request does not fit the cache: longest prompt {longest} + max_new_tokens "
                     f"{self.max_new_tokens} + k {self.k} + 1 = {needed} > max_len {max_len}")
+        _checks.positions("Engine", self.target.config, longest + self.max_new_tokens, "longest prompt + max_new_tokens")
+        _checks.cache_fits(_checks.cache_configs(self), self.target.dtype, len(prompts), max_len, self.max_new_tokens)
         T = min(width, max_len)
         prompt_BT = np.zeros((len(prompts), T), np.int32)
         for i, p in enumerate(prompts):
@@ -204,7 +207,7 @@ class Engine:
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise ValueError(f"rule_state does not match method {self.method!r}'s state: an array of "
                                  f"{b.dtype}{list(b.shape)} where {a.dtype}{list(a.shape)} is expected "
-                                 "(a batch of another size for ASD's per-request ledgers?)")
+                                 + _checks.state_hint(self.method, a, b))
         return given
 
     # -- public --------------------------------------------------------------
