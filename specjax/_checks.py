@@ -109,3 +109,16 @@ def state_hint(method: str, want, got) -> str:
     if method == "asd":
         return "(ASD's per-request ledgers of a batch of another size?)"
     return ""
+
+
+def flag_invalid(out):
+    """Counts the -1 tokens (rows of NaN / no finite logits, see verify's NAN_POLICY) per request in
+    out.stats["invalid_logit_tokens"], and warns when there are any: such output is not to be trusted."""
+    counts = [sum(1 for t in tokens if t < 0) for tokens in out.tokens]
+    out.stats["invalid_logit_tokens"] = counts
+    if any(counts):
+        warnings.warn(f"Engine: the target's logits were invalid (NaN, inf, or no finite entry) at {sum(counts)} "
+                      f"emitted position(s) of {sum(1 for c in counts if c)} request(s), marked by token -1; "
+                      "the text after them is not meaningful (broken weights or inputs?)", RuntimeWarning,
+                      stacklevel=3)
+    return out

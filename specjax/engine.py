@@ -221,7 +221,7 @@ class Engine:
         seq_BS, num_out_B, stats, policy_state = jax.device_get(self._program(*static, *args))
         prompt_len = [len(p) for p in prompts]
         tokens = [seq_BS[b, prompt_len[b]: prompt_len[b] + num_out_B[b]].tolist() for b in range(len(prompts))]
-        return GenerateOutput(tokens, _stats(stats, policy_state, self.policy), policy_state)
+        return _checks.flag_invalid(GenerateOutput(tokens, _stats(stats, policy_state, self.policy), policy_state))
 
     def lower(self, prompts: Sequence[Sequence[int]], rule_state=None) -> jax.stages.Lowered:
         static, args = self._prepare(prompts, rule_state)

@@ -23,9 +23,17 @@ def tempered(logits_V: jax.Array, temperature: float, axis: int = -1) -> jax.Arr
     return shifted * jnp.float32(min(1.0 / temperature, _F32_MAX))
 
 
+INVALID_TOKEN = -1  # the token of a row with a NaN or +inf, or no finite logit (verify's NAN_POLICY)
+
+
+def _valid(logits_BV: jax.Array) -> jax.Array:
+    m_B = jnp.max(logits_BV, axis=-1)  # NaN if any entry is NaN
+    return jnp.isfinite(m_B)
+
+
 def greedy(logits_BV: jax.Array) -> jax.Array:
-    """argmax with the lowest index on ties (jnp.argmax's rule), int32[B]."""
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    """argmax with the lowest index on ties (jnp.argmax's rule), int32[B]; -1 for an invalid row."""
+    return jnp.where(_valid(logits_BV), jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), INVALID_TOKEN)
 
 
 def top_p_logits(logits_BV: jax.Array, top_p: float) -> jax.Array:
@@ -50,4 +58,5 @@ def sample(key: jax.Array, logits_BV: jax.Array, temperature: float, top_p: floa
     if temperature == 0.0:
         return greedy(logits_BV)
     scaled = top_p_logits(tempered(logits_BV, temperature), top_p)
-    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    token_B = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    return jnp.where(_valid(logits_BV), token_B, INVALID_TOKEN)

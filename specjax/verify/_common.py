@@ -23,6 +23,16 @@ from specjax import pallas
 
 ENTROPIES = ("normalized", "top3")
 
+INVALID_TOKEN = -1
+NAN_POLICY = """\
+Logit rows that hold a NaN or +inf, or no finite entry at all, are invalid: they
+name no token. `row_stats` gives them argmax -1, so every rule stops at such a
+position (no exact match, and no loose acceptance: the loose tests read NaN
+statistics, which pass no comparison) and the token it emits there is -1;
+`sampling.greedy` and `sampling.sample` return -1 for such a row too. The engine
+counts the -1 tokens of each request in stats["invalid_logit_tokens"] and warns;
+a -1 never silently becomes token 0."""
+
 
 class Verdict(NamedTuple):
     """What a rule decides for one sequence (int32 scalars; [B] under vmap)."""
@@ -142,7 +152,11 @@ def row_stats(logits_RV: jax.Array, tokens_R: jax.Array) -> RowStats:
         g = pallas.gate_stats(logits_RV, tokens_R)
     else:
         g = pallas.gate_stats_sharded(logits_RV, tokens_R, mesh=sharding.mesh, vocab_axis=sharding.vocab_axis)
-    return RowStats(g.max_logit, g.argmax, g.lse, g.entropy, g.entropy_normalized, g.entropy_top3, g.token_logit)
+    # Invalid rows (a NaN, +inf, or no finite logit) have no argmax: -1, never a draft token, so no rule
+    # accepts at that position and a next token read there is -1 (NAN_POLICY).
+    valid_R = jnp.isfinite(g.max_logit) & ~jnp.isnan(g.lse)
+    argmax_R = jnp.where(valid_R, g.argmax, INVALID_TOKEN)
+    return RowStats(g.max_logit, argmax_R, g.lse, g.entropy, g.entropy_normalized, g.entropy_top3, g.token_logit)
 
 
 def entropy_of(stats: RowStats, kind: str) -> jax.Array:

@@ -39,10 +39,11 @@ def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau):
     count_K = _csd_memory.lookup(memory, d_K, t_K)
     # L[i][t[i]] is the row max.
     consistent_K = stats.logit_at[:K] - stats.max[:K] >= jnp.log(jnp.float32(tau))
-    ok_K = (count_K > min_count) & consistent_K & allowed_K
+    valid_K = t_K >= 0  # a row that names no target token (NaN / no finite logit) is never accepted or learnt
+    ok_K = (count_K > min_count) & consistent_K & allowed_K & valid_K
     n = _common.accepted_count(ex_K | (mis_K & ok_K))
     # The scan reaches the loosely accepted mismatches and the one that stopped it.
-    reached_K = mis_K & (jnp.arange(K) <= n)
+    reached_K = mis_K & (jnp.arange(K) <= n) & valid_K
     return Verdict(n, stats.argmax[n], _common.count_before(mis_K, n)), jnp.stack([d_K, t_K], -1), reached_K
 
 

@@ -43,7 +43,8 @@ def residual_sample(kr, d_K, L_RV, stats_T, q_KV, temperature: float, n, k) -> j
     r_V = jnp.maximum(0.0, p_V - jnp.where(n < k, q_V, 0.0))
     total = jnp.sum(r_V)
     r_V = jnp.where(total > 0, r_V / jnp.where(total > 0, total, 1.0), p_V)
-    return jax.random.categorical(kr, jnp.log(r_V)).astype(jnp.int32)
+    token = jax.random.categorical(kr, jnp.log(r_V)).astype(jnp.int32)
+    return jnp.where(stats_T.argmax[n] >= 0, token, _common.INVALID_TOKEN)  # an invalid row names no token
 
 
 def speculative_sampling(draft_tokens, target_logits, key, *, draft_probs=None, temperature=1.0,
