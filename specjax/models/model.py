@@ -122,7 +122,7 @@ def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
     if is_gguf:
         import gguf
 
-        reader = gguf.GGUFReader(str(path))
+        reader = convert.open_gguf(path)
         fields = convert.gguf_fields(reader)
         names = [t.name for t in reader.tensors]
         rope_freqs = None
@@ -131,7 +131,7 @@ def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
             rope_freqs = gguf.quants.dequantize(t.data, t.tensor_type)
         config = config_lib.from_gguf_fields(fields, tensor_names=names, rope_freqs=rope_freqs)
         return config, tokenizer_lib.Tokenizer.from_gguf(reader)
-    config = config_lib.from_hf_dict(json.loads((path / "config.json").read_text()))
+    config = config_lib.from_hf_dict(convert.read_json(path / "config.json"))
     tok = tokenizer_lib.Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
     return config, tok
 
