@@ -182,3 +182,78 @@ def test_ctrl_c_during_generation_exits_promptly_with_nothing_half_written(env, 
     assert proc.returncode == 130, (proc.returncode, rest[-2000:])
     assert "interrupted" in rest
     assert os.listdir(tmp_path) == []  # no output, no temporary
+
+
+# --- files that are not what they claim -----------------------------------------------------------
+
+
+def test_preset_altered_in_place_with_size_and_mtime_kept_is_hashed_again(monkeypatch, tmp_path):
+    import hashlib
+    import importlib.metadata as md
+
+    from specjax.models import presets
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    parts, blob = [], b""
+    for dist in ("numpy", "pytest"):  # two installed distributions stand in for chunk wheels
+        d = md.distribution(dist)
+        rel = next(str(f) for f in d.files if str(f).endswith("METADATA"))
+        parts.append(((dist, d.version), rel))
+        blob += pathlib_read(d.locate_file(rel))
+    fake = presets.Preset("fake-chunks", tuple(p[0] for p in parts), tuple(p[1] for p in parts),
+                          hashlib.sha256(blob).hexdigest())
+    monkeypatch.setitem(presets.PRESETS, "fake-chunks", fake)
+    joined = presets.resolve("fake-chunks")
+    assert presets.resolve("fake-chunks") == joined  # marker: not hashed again
+    st = joined.stat()
+    data = bytearray(joined.read_bytes())
+    data[100] ^= 0x20
+    joined.write_bytes(bytes(data))
+    os.utime(joined, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime
+    with pytest.raises(presets.PresetError, match="checksum mismatch"):
+        presets.resolve("fake-chunks")
+
+
+def pathlib_read(path) -> bytes:
+    return Path(path).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def smollm2_file():
+    from specjax.models import presets
+
+    try:
+        return presets.resolve("smollm2-135m-instruct")
+    except presets.PresetError as e:
+        pytest.skip(str(e))
+
+
+def test_broken_checkpoint_files_are_named_errors(smollm2_file, tmp_path):
+    from specjax import models
+    from specjax.models import convert
+    from specjax.models.convert import CheckpointError
+
+    data = smollm2_file.read_bytes()
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "head.gguf").write_bytes(data[:1_000_000])  # cut inside the tensor data
+    cases = [("empty.gguf", "is empty"), ("head.gguf", "truncated")]
+    import gguf
+
+    q = next(t for t in gguf.GGUFReader(str(smollm2_file)).tensors if t.name == "blk.0.attn_q.weight")
+    for name, scale, message in (("nan.gguf", np.float16(np.nan), "'blk.0.attn_q.weight' .* is corrupt: 32 "
+                                                                  "non-finite weights"),
+                                 ("huge.gguf", np.float16(60000.0), "'blk.0.attn_q.weight' .* has weights up to")):
+        b = bytearray(data)
+        b[int(q.data_offset): int(q.data_offset) + 2] = scale.tobytes()  # the first block's float16 scale
+        (tmp_path / name).write_bytes(bytes(b))
+        cases.append((name, message))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{not json")
+    for name, message in cases:  # models.load for the unreadable files; the converter itself for the rest
+        load = models.load if name in ("empty.gguf", "head.gguf") else convert.load_gguf
+        with pytest.raises(CheckpointError, match=message) as e:
+            load(tmp_path / name, cache=False) if load is models.load else load(tmp_path / name)
+        assert str(tmp_path / name) in str(e.value)
+    with pytest.raises(CheckpointError, match=f"{hf}/config.json is not valid JSON"):
+        models.load(hf, cache=False)

@@ -58,34 +58,25 @@ def open_gguf(path):
 _MAX_WEIGHT = 65504.0
 
 
-def check_weights(params, source: str) -> None:
-    """Refuses non-finite or absurdly large weights (a corrupt block scale), naming the tensor."""
-    leaves = jax_tree_leaves_with_path(params)
-    for name, x in leaves:
-        if isinstance(x, quant.BlockQuant):
-            parts = [("scale", np.asarray(x.scale)), ("offset", None if x.offset is None else np.asarray(x.offset))]
-            peak = float(np.abs(np.asarray(x.scale)).max()) * float(np.abs(np.asarray(x.codes)).max(initial=0))
-            if x.offset is not None:
-                peak += float(np.abs(np.asarray(x.offset)).max())
-        else:
-            parts = [("values", np.asarray(x))]
-            peak = None
-        for what, a in parts:
-            if a is not None and not np.isfinite(a).all():
-                raise CheckpointError(f"tensor {name} in {source} has non-finite {what} "
-                                      f"({int((~np.isfinite(a)).sum())} of {a.size}): the file is corrupt")
-        if peak is None:
-            peak = float(np.abs(parts[0][1]).max(initial=0))
-        if peak > _MAX_WEIGHT:
-            raise CheckpointError(f"tensor {name} in {source} has weights up to {peak:.3g}, beyond any working "
-                                  f"checkpoint's (|w| <= {_MAX_WEIGHT:g}): a corrupt block scale?")
-
-
-def jax_tree_leaves_with_path(params):
-    import jax
-
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, quant.BlockQuant))[0]
-    return [(jax.tree_util.keystr(p), x) for p, x in flat]
+def check_tensor(name: str, w, source: str):
+    """Refuses non-finite or absurdly large weights (a corrupt block scale), naming the tensor; returns w."""
+    if isinstance(w, quant.RawBlocks):
+        parts = [("scale", np.asarray(w.scale))] + ([] if w.offset is None else [("offset", np.asarray(w.offset))])
+        peak = float(np.abs(parts[0][1]).max(initial=0)) * float(np.abs(np.asarray(w.codes)).max(initial=0))
+        peak += 0.0 if w.offset is None else float(np.abs(parts[1][1]).max(initial=0))
+    else:
+        parts = [("values", np.asarray(w))]
+        peak = None
+    for what, a in parts:
+        if not np.isfinite(a).all():
+            raise CheckpointError(f"tensor {name!r} in {source} has non-finite {what} "
+                                  f"({int((~np.isfinite(a)).sum())} of {a.size}): the file is corrupt")
+    if peak is None:
+        peak = float(np.abs(parts[0][1]).max(initial=0))
+    if peak > _MAX_WEIGHT:
+        raise CheckpointError(f"tensor {name!r} in {source} has weights up to {peak:.3g}, beyond any working "
+                              f"checkpoint's (|w| <= {_MAX_WEIGHT:g}): a corrupt block scale?")
+    return w
 
 
 # Per-layer tensors, transformers names (the part after `model.layers.{i}.`).
@@ -247,8 +238,7 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
             w = _unpermute_rope_rows(w, c.num_heads if "q_proj" in hf_name else c.num_kv_heads)
         return w
 
-    params = build_params(c, get, str(path))
-    check_weights(params, str(path))
+    params = build_params(c, lambda name: check_tensor(by_hf[name].name, get(name), str(path)), str(path))
     return c, params, fields
 
 
@@ -283,8 +273,7 @@ def load_hf_dir(path: str | pathlib.Path):
             handles[shard] = safe_open(path / shard, framework="flax")
         return np.asarray(handles[shard].get_tensor(name).astype("float32"))
 
-    params = build_params(c, get, str(path))
-    check_weights(params, str(path))
+    params = build_params(c, lambda name: check_tensor(name, get(name), str(path)), str(path))
     if c.tie_embeddings:
         weight_map.pop("lm_head.weight", None)  # some exports write the tied head anyway
     unknown = sorted(set(weight_map) - set(expected_tensors(c)) - {"lm_head.weight"})
