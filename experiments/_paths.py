@@ -5,15 +5,17 @@
     _paths.write_text(path, text)                       # atomic: the old file or the new one, never half
     _paths.run(main)                                    # app.run(main), plus a prompt exit on Ctrl-C
 
-Why `run`: a generation is one compiled XLA program. While it runs, the main
-thread is inside a C++ call, so Python's SIGINT handler (KeyboardInterrupt) runs
-only once the whole program has finished, and even a KeyboardInterrupt raised
-between calls leaves the interpreter's shutdown waiting for the computation
-still running on the CPU threads. `run` watches SIGINT from a helper thread
-(`signal.set_wakeup_fd`) and, when the main thread has not unwound within a
-second, removes the temporaries of unfinished atomic writes and ends the process
-with status 130 without waiting for XLA. Files written before are complete;
-files being written are absent (their previous version, if any, is kept).
+Why `run`: a generation is one compiled XLA program. Ctrl-C raises
+KeyboardInterrupt in the main thread at once, but the program keeps running on
+XLA's threads, and the interpreter's exit (jax's teardown of its backend) waits
+for it to finish: minutes for a long generation. `run` ends the process at the
+KeyboardInterrupt with status 130 without that wait, after removing the
+temporaries of unfinished atomic writes. For a main thread stuck in a C call
+that never returns to Python, a helper thread watches SIGINT
+(`signal.set_wakeup_fd`) and does the same after a second. Files written before
+are complete; a file being written is absent (its previous version, if any, is
+kept). A SIGINT that the parent set to be ignored (a background job of a
+script) stays ignored.
 """
 
 from __future__ import annotations

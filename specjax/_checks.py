@@ -37,7 +37,7 @@ def engine_args(*, temperature, top_p, seed, eos_ids) -> None:
 def token_ids(fn: str, tokens, vocab_size: int) -> np.ndarray | jax.Array:
     """Integer ids in [0, vocab_size): an id >= V reads no embedding row (NaN logits), a negative one
     wraps around, and a float one would be truncated. A traced array is checked for its dtype only."""
-    if isinstance(tokens, jax.core.Tracer):
+    if isinstance(tokens, jax.core.Tracer) or (isinstance(tokens, jax.Array) and not tokens.is_fully_addressable):
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"{fn}: token ids must be integers, got {tokens.dtype}")
         return tokens
