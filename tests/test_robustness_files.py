@@ -69,6 +69,10 @@ def test_save_csd_memory_replaces_a_memory_only_with_overwrite(tmp_path):
     verify.save_csd_memory(path, verify.csd_memory(4, np.array([[7, 8]])), overwrite=True)
     assert verify.load_csd_memory(path).to_dict() == {(7, 8): 1}
     assert sorted(os.listdir(tmp_path)) == ["m"]  # written beside, then moved: no leftovers
+    os.unlink(path / "specjax_csd_memory.json")  # a memory saved before the marker existed
+    assert verify.is_saved_memory(path)
+    verify.save_csd_memory(path, verify.csd_memory(4), overwrite=True)
+    assert verify.load_csd_memory(path).to_dict() == {}
 
 
 def test_csd_memory_of_another_vocabulary_is_refused(tmp_path):
