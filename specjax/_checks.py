@@ -7,6 +7,7 @@ instead of failing inside XLA.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 import warnings
@@ -75,15 +76,21 @@ def available_bytes() -> tuple[int, str]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "host memory"
 
 
-def cache_fits(configs, dtype, batch: int, max_len: int, max_new_tokens: int) -> None:
-    """Refuses, before compiling, KV caches (and the token buffer) larger than the memory left."""
+@functools.lru_cache(maxsize=64)
+def _bytes_per_position(configs: tuple, dtype, batch: int) -> int:
+    """Bytes of the KV caches of `configs` and the int32 token buffer per cache position (eval_shape: no work)."""
     from specjax.models import llama
 
     def nbytes(config, length):
         shapes = jax.eval_shape(lambda: llama.init_cache(config, batch, length, dtype))
         return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
-    per_position = batch * 4 + sum(nbytes(c, 2) - nbytes(c, 1) for c in configs)  # + the int32 token buffer
+    return batch * 4 + sum(nbytes(c, 2) - nbytes(c, 1) for c in configs)
+
+
+def cache_fits(configs, dtype, batch: int, max_len: int, max_new_tokens: int) -> None:
+    """Refuses, before compiling, KV caches (and the token buffer) larger than the memory left."""
+    per_position = _bytes_per_position(tuple(configs), dtype, batch)
     need = per_position * max_len
     free, where = available_bytes()
     budget = int(0.9 * free)  # XLA's temporaries need some room too
