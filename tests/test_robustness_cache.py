@@ -96,8 +96,8 @@ def test_quantized_cache_with_emptied_metadata_is_refused(tiny_dir, tmp_path):
     """quantized.json of {} or [] for a cache that holds block-quantized layers (a GGUF's)."""
     from specjax.models import quant
 
-    config = models.load(tiny_dir, cache=False).config
-    params = jax.tree.map(np.asarray, models.random_model(config).params)
+    loaded = models.load(tiny_dir, cache=False)
+    config, params = loaded.config, jax.tree.map(np.asarray, loaded.params)
     L, D, H, Dh = params["layers"]["wq"].shape
     params["layers"]["wq"] = quant.BlockQuant(np.ones((L, D // 32, 32, H * Dh), np.int8),
                                               np.ones((L, D // 32, 1, H * Dh), np.float32), None, (D, H, Dh))

@@ -105,8 +105,8 @@ def test_tiny_temperature_is_greedy_eager_and_jitted(T):
         "typical": lambda d, L, key: verify.typical(d, L, key, temperature=T),
         "fly": lambda d, L, key: verify.fly(d, L, theta=2.0, temperature=T, key=key),  # gate closed: exact
     }
-    for name, rule in rules.items():
-        for how, fn in (("eager", rule), ("jit", jax.jit(rule))):
+    for name, rule in rules.items():  # eagerly for speculative sampling (the reported case), jitted for all
+        for how, fn in (("eager", rule), ("jit", jax.jit(rule))) if name == "sampling" else (("jit", jax.jit(rule)),):
             got = fn(d, L, key)
             assert (int(got.num_accepted), int(got.next_token)) == (int(want.num_accepted), int(want.next_token)), \
                 (name, how, T)
