@@ -20,7 +20,7 @@ def save_csd_memory(path: str | os.PathLike, pairs_P2: np.ndarray, counts_P: np.
     path = pathlib.Path(path).resolve()
     path.mkdir(parents=True, exist_ok=True)
     verify.save_csd_memory(path / "memory", verify.csd_memory(capacity, np.asarray(pairs_P2, np.int32).reshape(-1, 2),
-                                                              np.asarray(counts_P, np.int32)))
+                                                              np.asarray(counts_P, np.int32)), overwrite=True)
     (path / "calibration.json").write_text(json.dumps(metadata, indent=1))
     return path
 

@@ -18,6 +18,11 @@ import time
 
 from absl import app, flags, logging
 
+try:
+    from experiments import _paths as P
+except ImportError:
+    import _paths as P
+
 from _common import machine  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset (a GGUF that transformers can load).")
@@ -124,4 +129,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    P.run(main)
