@@ -44,7 +44,7 @@ def test_non_finite_options_are_refused_by_name(model, bad):
         T = 1.0 if method == "typical" else 0.0
         for name in names:
             with pytest.raises(ValueError, match=f"{name} must be a finite number"):
-                verify.make_policy(method, k=4, temperature=T, **{name: bad})
+                verify.rule(method, **{name: bad})
             with pytest.raises(ValueError, match=f"{name} must be a finite number"):
                 specjax.Engine(model, "pld", method=method, k=4, temperature=T, **{name: bad})
     for temperature in (bad, np.float32(bad)):
@@ -80,6 +80,8 @@ def test_nonsense_rule_options_are_refused_by_name(model, method, options, messa
     T = 1.0 if method == "typical" else 0.0
     with pytest.raises(ValueError, match=message):
         specjax.Engine(model, "pld", method=method, k=4, temperature=T, **options)
+    with pytest.raises(ValueError, match=message):  # the rule object itself, at construction
+        verify.rule(method, **options)
 
 
 def test_engine_arguments_that_would_be_misread(model):
