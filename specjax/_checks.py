@@ -110,9 +110,6 @@ def cache_configs(engine) -> list:
 
 def state_hint(method: str, want, got) -> str:
     """Why a given rule_state's array does not match (Engine._rule_state's error)."""
-    if method == "csd" and want.ndim == 2:  # the table is 2 * capacity slots
-        return (f"(a CSD memory of capacity {got.shape[0] // 2} where this engine's holds {want.shape[0] // 2}:"
-                " build the engine with csd_memory=<that memory> or a matching capacity)")
     if method == "asd":
         return "(ASD's per-request ledgers of a batch of another size?)"
     return ""

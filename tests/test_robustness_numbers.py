@@ -199,10 +199,14 @@ def test_a_cache_that_cannot_fit_is_refused_before_compiling(model):
             engine.lower([[1, 2, 3]])
 
 
-def test_rule_state_of_another_capacity_names_csd(model):
+def test_rule_state_of_another_capacity(model):
+    """A CSD memory is starting state: one of another capacity is a valid start (it is its own
+    shape), and the memory that comes back keeps that capacity; ASD's ledgers must match the batch."""
     engine = specjax.Engine(model, "pld", method="csd", k=2, max_new_tokens=2, csd_memory=16)
-    with pytest.raises(ValueError, match="a CSD memory of capacity 8 where this engine's holds 16"):
-        engine.generate([[1, 2, 3]], rule_state=verify.csd_memory(8))
+    out = engine.generate([[1, 2, 3]], rule_state=verify.csd_memory(8))
+    assert out.rule_state.capacity == 8 and out.stats["csd_memory_capacity"] == 8
+    with pytest.raises(ValueError, match="outside the target.s vocabulary"):  # but not one of another tokenizer
+        engine.generate([[1, 2, 3]], rule_state=verify.csd_memory(8, [[1, 10 ** 6]], [3]))
     with pytest.raises(ValueError, match="ASD's per-request ledgers"):
         specjax.Engine(model, "pld", method="asd", k=2, max_new_tokens=2).generate(
             [[1, 2, 3]], rule_state=jnp.zeros((3,), jnp.float32))
