@@ -18,12 +18,10 @@ import time
 
 from absl import app, flags, logging
 
-try:
-    from experiments import _paths as P
+try:  # imported as experiments.bench_decode (tests) or run as a script (experiments/ on sys.path)
+    from experiments import _common as C
 except ImportError:
-    import _paths as P
-
-from _common import machine  # noqa: E402  (experiments/ is on sys.path when run as a script)
+    import _common as C
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset (a GGUF that transformers can load).")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per request.")
@@ -108,7 +106,7 @@ def main(argv):
                 times[(who, b)].append(b * n / dt)
     bandwidth = max(bandwidth, copy_bandwidth_gbs())
 
-    print(f"machine: {machine()}" + (f"; torch threads {torch.get_num_threads()}" if peer is not None else ""))
+    print(f"machine: {C.machine()}" + (f"; torch threads {torch.get_num_threads()}" if peer is not None else ""))
     print(f"model: {_MODEL.value}; prompt {len(ids)} tokens; {_NEW.value} new tokens; "
           f"{_REPS.value} interleaved repetitions; copy bandwidth {bandwidth:.1f} GB/s (read+write)")
     print(f"weight bytes per token: specjax {ours_bytes / 1e6:.0f} MB (block-quantized layers), "
@@ -129,4 +127,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    P.run(main)
+    C.run_main(main)

@@ -29,11 +29,6 @@ try:  # imported as experiments.benchmark (tests) or run as a script (experiment
 except ImportError:
     import _common as C
 
-try:
-    from experiments import _paths as P
-except ImportError:
-    import _paths as P
-
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
 _DRAFTS = flags.DEFINE_list("drafts", ["pld"], "Drafters: pld, self:N, a preset/path (draft model), "
                             "or pld+<preset/path> (FLy's multi-level).")
@@ -91,7 +86,7 @@ def parse_options(method: str, text: str) -> dict:
 
 
 def main(argv):
-    P.check_output("csv", _CSV.value)  # before any work
+    C.check_output("csv", _CSV.value)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
@@ -190,7 +185,7 @@ def main(argv):
         print(f"| {r['engine']} | {r['drafter']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} "
               f"| {r['tau']:.2f} | {r['accepted_per_round']:.2f} | {r['loose_share']:.2f} | {r['divergence']:.2f} |")
     if _CSV.value:
-        with P.atomic_open(_CSV.value, "w", newline="") as f:
+        with C.atomic_open(_CSV.value, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
@@ -275,4 +270,4 @@ def _log(msg):
 
 
 if __name__ == "__main__":
-    P.run(main)
+    C.run_main(main)
