@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _presets import resolve_or_skip
+
 from specjax import verify
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,12 +226,7 @@ def pathlib_read(path) -> bytes:
 
 @pytest.fixture(scope="module")
 def smollm2_file():
-    from specjax.models import presets
-
-    try:
-        return presets.resolve("smollm2-135m-instruct")
-    except presets.PresetError as e:
-        pytest.skip(str(e))
+    return resolve_or_skip("smollm2-135m-instruct")
 
 
 def test_broken_checkpoint_files_are_named_errors(smollm2_file, tmp_path):

@@ -244,6 +244,19 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
 
 # --- Hugging Face directory (config.json + safetensors) ----------------------
 
+def safetensors_weight_map(path: pathlib.Path) -> dict[str, str]:
+    """Tensor name -> safetensors file of a Hugging Face directory (one file, or sharded with an index)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return read_json(index)["weight_map"]
+    if (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", framework="numpy") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
 def load_hf_dir(path: str | pathlib.Path):
     """(Config, float32 params) from a directory with config.json and safetensors
     (one file, or shards listed in model.safetensors.index.json)."""
@@ -254,14 +267,7 @@ def load_hf_dir(path: str | pathlib.Path):
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
     c = config_lib.from_hf_dict(read_json(cfg_file))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index)["weight_map"]
-    elif (path / "model.safetensors").is_file():
-        with safe_open(path / "model.safetensors", framework="flax") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    weight_map = safetensors_weight_map(path)
     handles = {}
 
     def get(name):
