@@ -31,6 +31,7 @@ step (interleaved) before training.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -253,11 +254,14 @@ def make_optimizer(steps: int, lr: float, warmup: int, weight_decay: float, clip
     return optax.chain(optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)), schedule
 
 
-def make_fns(cfg, optimizer):
+@functools.cache  # one compilation per configuration and recipe within a process
+def make_fns(cfg, steps: int, lr: float, warmup: int, weight_decay: float, clip: float):
     import jax
     import jax.numpy as jnp
     import optax
     from specjax.models import llama
+
+    optimizer, _ = make_optimizer(steps, lr, warmup, weight_decay, clip)
 
     def loss_fn(train, frozen, tokens_BT1, mask_BT):
         logits = llama.forward(cfg, {**frozen, **train}, tokens_BT1[:, :-1])
@@ -303,7 +307,7 @@ def train(cfg, train_params, frozen, tokens, mask, val_tokens, val_mask, work: p
     import orbax.checkpoint as ocp
 
     optimizer, schedule = make_optimizer(steps, lr, warmup, weight_decay, clip)
-    train_step, predict = make_fns(cfg, optimizer)
+    train_step, predict = make_fns(cfg, steps, lr, warmup, weight_decay, clip)
     opt_state = optimizer.init(train_params)
     mngr = ocp.CheckpointManager((work / "ckpt").resolve(),
                                  options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
