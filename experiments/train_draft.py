@@ -66,21 +66,44 @@ _DATA_SECONDS = flags.DEFINE_float("data_seconds", 0, "Stop generating new data 
                                    "(0: no limit); the batches made so far are used, a rerun continues them.")
 _VAL = flags.DEFINE_integer("val_sequences", 8, "Generated sequences kept out of training (held-out acceptance).")
 # training
-_STEPS = flags.DEFINE_integer("steps", 400, "Optimizer steps.")
-_BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
 _SEQ = flags.DEFINE_integer("seq_len", 192, "Tokens per training sequence (the prompt is cropped from the left).")
-_LR = flags.DEFINE_float("lr", 3e-3, "Peak learning rate.")
-_WARMUP = flags.DEFINE_integer("warmup", 20, "Linear warmup steps.")
-_WD = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
-_CLIP = flags.DEFINE_float("clip", 1.0, "Global gradient-norm clip.")
-_SEED = flags.DEFINE_integer("seed", 0, "Initialisation and batch-order seed.")
-_LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Progress line every N steps.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 50, "Held-out acceptance every N steps.")
-_CKPT_EVERY = flags.DEFINE_integer("ckpt_every", 25, "Checkpoint every N steps.")
-_K = flags.DEFINE_integer("k", 4, "K of the held-out acceptance estimate (tau at K).")
 _TIMING = flags.DEFINE_integer("timing_rounds", 30, "Interleaved draft/target step timings (0: skip).")
-_STOP_AFTER = flags.DEFINE_integer("stop_after", 0, "Exit after this many steps of this process (tests: "
-                                   "an interrupted run), without exporting.")
+
+
+def _opt(default, help_text: str):
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The optimisation settings; each field is a flag of the same name."""
+
+    steps: int = _opt(400, "Optimizer steps.")
+    batch: int = _opt(8, "Sequences per step.")
+    lr: float = _opt(3e-3, "Peak learning rate.")
+    warmup: int = _opt(20, "Linear warmup steps.")
+    weight_decay: float = _opt(0.01, "AdamW weight decay.")
+    clip: float = _opt(1.0, "Global gradient-norm clip.")
+    seed: int = _opt(0, "Initialisation and batch-order seed.")
+    log_every: int = _opt(10, "Progress line every N steps.")
+    eval_every: int = _opt(50, "Held-out acceptance every N steps.")
+    ckpt_every: int = _opt(25, "Checkpoint every N steps.")
+    k: int = _opt(4, "K of the held-out acceptance estimate (tau at K).")
+    stop_after: int = _opt(0, "Exit after this many steps of this process (tests: an interrupted run), "
+                           "without exporting.")
+
+    @classmethod
+    def define_flags(cls) -> None:
+        for f in dataclasses.fields(cls):
+            define = flags.DEFINE_integer if f.type == "int" else flags.DEFINE_float
+            define(f.name, f.default, f.metadata["help"])
+
+    @classmethod
+    def from_flags(cls) -> "TrainConfig":
+        return cls(**{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(cls)})
+
+
+TrainConfig.define_flags()
 
 
 # --- architecture -----------------------------------------------------------------------------
@@ -484,7 +507,8 @@ def main(argv):
     target = C.load_model(_TARGET.value)
     arch = Arch(_WIDTH.value, _LAYERS.value, _HEAD_DIM.value, _KV_HEADS.value, _FFN.value)
     cfg = draft_config(target.config, arch)
-    train_params, frozen = init_draft(target, cfg, _SEED.value)
+    tc = TrainConfig.from_flags()
+    train_params, frozen = init_draft(target, cfg, tc.seed)
     n_train = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(train_params))
     C.log(f"draft: {cfg.num_layers} layers, width {cfg.hidden_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} kv, "
           f"F {cfg.intermediate_size}; {n_train / 1e6:.2f}M trainable parameters")
@@ -514,14 +538,11 @@ def main(argv):
                        "val_sequences": n_val, "val_target_tokens": int(val_mask.sum()), "seconds": data_seconds}
 
     t0 = time.perf_counter()
-    final = train(cfg, train_params, frozen, tokens, mask, val_tokens, val_mask, work, steps=_STEPS.value,
-                  batch=_BATCH.value, lr=_LR.value, warmup=_WARMUP.value, weight_decay=_WD.value, clip=_CLIP.value,
-                  seed=_SEED.value, log_every=_LOG_EVERY.value, eval_every=_EVAL_EVERY.value,
-                  ckpt_every=_CKPT_EVERY.value, k=_K.value, stop_after=_STOP_AFTER.value)
+    final = train(cfg, train_params, frozen, tokens, mask, val_tokens, val_mask, work, **dataclasses.asdict(tc))
     if final is None:
         return
     summary["train_seconds_this_process"] = time.perf_counter() - t0
-    plot_curve(work, work / "loss_curve.png", _K.value)
+    plot_curve(work, work / "loss_curve.png", tc.k)
     export(cfg, jax.device_get({**frozen, **final}), target.tokenizer, out_dir)
     rows = [json.loads(line) for line in open(work / "metrics.jsonl")]
     summary["evals"] = [r for r in rows if "eval" in r]
