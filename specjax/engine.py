@@ -100,7 +100,7 @@ class Engine:
         self.rule, self._start_state = _rule(method, rule_options, self.temperature, draft is None)
         if isinstance(self._start_state, verify.CSDMemory):  # a memory of another tokenizer
             verify.check_csd_vocab("Engine", self._start_state, target.config.vocab_size)
-        self.method = method if isinstance(method, str) else self.rule.name
+        self.method = method if isinstance(method, str) else method.name
         self.drafter, draft_params = drafters.from_spec(draft, target, self.k, pld_match=pld_match,
                                                         temperature=self.temperature)
         if self.drafter is not None and self.top_p < 1.0:
