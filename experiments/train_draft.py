@@ -37,6 +37,7 @@ import os
 import pathlib
 import sys
 import time
+from typing import ClassVar
 
 import numpy as np
 from absl import app, flags
@@ -92,15 +93,18 @@ class TrainConfig:
     stop_after: int = _opt(0, "Exit after this many steps of this process (tests: an interrupted run), "
                            "without exporting.")
 
+    # flag names where the bare field name is another binary's flag (tests import binaries side by side)
+    FLAG_NAMES: ClassVar[dict[str, str]] = {"batch": "train_batch", "seed": "train_seed", "k": "eval_k"}
+
     @classmethod
     def define_flags(cls) -> None:
         for f in dataclasses.fields(cls):
             define = flags.DEFINE_integer if f.type == "int" else flags.DEFINE_float
-            define(f.name, f.default, f.metadata["help"])
+            define(cls.FLAG_NAMES.get(f.name, f.name), f.default, f.metadata["help"])
 
     @classmethod
     def from_flags(cls) -> "TrainConfig":
-        return cls(**{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(cls)})
+        return cls(**{f.name: flags.FLAGS[cls.FLAG_NAMES.get(f.name, f.name)].value for f in dataclasses.fields(cls)})
 
 
 TrainConfig.define_flags()

@@ -124,7 +124,7 @@ def test_draft_config_rejects_bad_widths(target):
         T.draft_config(target.config, T.Arch(128, 1, head_dim=16))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_binary_end_to_end(tmp_path):
     out = tmp_path / "d"
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train_draft.py"), "--target=random:tiny",
