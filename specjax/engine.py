@@ -81,8 +81,6 @@ class Engine:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if max_len is not None and max_len <= 1:
