@@ -12,6 +12,11 @@ from absl import app
 
 from specjax import verify
 
+try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
+    from experiments import _paths
+except ImportError:
+    import _paths
+
 
 def save_csd_memory(path: str | os.PathLike, pairs_P2: np.ndarray, counts_P: np.ndarray, capacity: int,
                     metadata: dict[str, Any]) -> pathlib.Path:
@@ -20,8 +25,8 @@ def save_csd_memory(path: str | os.PathLike, pairs_P2: np.ndarray, counts_P: np.
     path = pathlib.Path(path).resolve()
     path.mkdir(parents=True, exist_ok=True)
     verify.save_csd_memory(path / "memory", verify.csd_memory(capacity, np.asarray(pairs_P2, np.int32).reshape(-1, 2),
-                                                              np.asarray(counts_P, np.int32)))
-    (path / "calibration.json").write_text(json.dumps(metadata, indent=1))
+                                                              np.asarray(counts_P, np.int32)), overwrite=True)
+    _paths.write_text(path / "calibration.json", json.dumps(metadata, indent=1))
     return path
 
 

@@ -7,6 +7,7 @@
     _calibration_files  CSD memory directories and ASD calibration JSON
     _runs               an engine over many prompts, compiled first, statistics merged
     _reports            differences from target-only output, Pareto fronts, CSV and JSON
+    _paths              output paths checked before any work, atomic writes, prompt exit on Ctrl-C
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ try:  # imported as experiments._common (tests, python -m) or as _common (script
                                          parse_method_spec, parse_option, rule_options, rule_options_from_flags,
                                          validate_calibration_source_flags)
     from experiments._runs import Run, chunks, compile_for, run
+    from experiments._paths import atomic_open, check_output, write_text
+    from experiments._paths import run as run_main
     from experiments import _prompts, _rule_flags
 except ImportError:
     from _calibration_files import load_asd_calibration, load_csd_memory, save_csd_memory
@@ -33,6 +36,8 @@ except ImportError:
                              define_rule_flags, make_engine, parse_method_spec, parse_option, rule_options,
                              rule_options_from_flags, validate_calibration_source_flags)
     from _runs import Run, chunks, compile_for, run
+    from _paths import atomic_open, check_output, write_text
+    from _paths import run as run_main
     import _prompts
     import _rule_flags
 
@@ -42,8 +47,8 @@ FLAG_MODULES = (_prompts, _rule_flags)
 __all__ = [
     "DATASETS", "RANDOM", "Null", "Run", "Ticker", "apply_calibration", "byte_tokenizer", "chunks", "compile_for",
     "define_calibration_flags", "define_calibration_source_flags", "define_prompt_flags", "define_rule_flags", "divergence",
-    "FLAG_MODULES", "draft_model", "encode", "first_difference", "jsonable", "load_asd_calibration", "load_csd_memory",
+    "FLAG_MODULES", "atomic_open", "check_output", "draft_model", "encode", "first_difference", "jsonable", "load_asd_calibration", "load_csd_memory",
     "load_model", "log", "machine", "make_engine", "pareto", "parse_method_spec", "parse_option", "random_tiny",
-    "read_prompts", "resolve_draft", "rule_options", "rule_options_from_flags", "run", "save_csd_memory",
-    "validate_calibration_source_flags", "write_csv",
+    "read_prompts", "resolve_draft", "rule_options", "rule_options_from_flags", "run", "run_main", "save_csd_memory",
+    "validate_calibration_source_flags", "write_csv", "write_text",
 ]

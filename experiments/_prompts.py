@@ -29,9 +29,12 @@ def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None, datase
     if prompts_file:
         try:
             with open(prompts_file, encoding="utf-8") as f:
-                out += [line.rstrip("\n") for line in f if line.strip()]
-        except OSError as e:
+                lines = [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
             raise app.UsageError(f"cannot read --prompts_file: {e}") from None
+        if not lines:
+            raise app.UsageError(f"--prompts_file {prompts_file}: no prompts in it (empty, or blank lines only)")
+        out += lines
     if dataset:
         from specjax import data
 

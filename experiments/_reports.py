@@ -8,6 +8,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
+    from experiments import _paths
+except ImportError:
+    import _paths
+
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     """First index where two token lists differ (a length difference counts); None if equal."""
@@ -46,7 +51,7 @@ def write_csv(path: str | os.PathLike, rows: Sequence[dict[str, Any]]) -> None:
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with _paths.atomic_open(path, "w", newline="", encoding="utf-8") as f:  # never half-written
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         for r in rows:

@@ -481,6 +481,7 @@ def check_settings(out_dir: pathlib.Path) -> None:
 
 
 def main(argv):
+    C.check_output("output_dir", _OUT.value, dir=True)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     for name in ("mtbench_questions", "humaneval_problems", "speed_problems"):
@@ -549,7 +550,7 @@ def main(argv):
     wall = time.perf_counter() - start
     table = markdown(parts, summaries, wall)
     print(table)
-    (out_dir / "audit.md").write_text(table)
+    C.write_text(out_dir / "audit.md", table)
     flat = {m.spec: {f"{p.name}_{k}": v for p in parts for k, v in summaries[p.name][m.spec].items()}
             for m in methods}
     C.write_csv(out_dir / "audit.csv", [{"method": s, **row} for s, row in flat.items()])
@@ -559,11 +560,10 @@ def main(argv):
                                               | _result(books, t.task_id, m.spec) for t in p.tasks
                                               if (t.task_id, m.spec) in books["completions"]]}
                   for m in methods]} for p in parts}}
-    (out_dir / "audit.json").write_text(json.dumps(C.jsonable(record), indent=1))
+    C.write_text(out_dir / "audit.json", json.dumps(C.jsonable(record), indent=1))
     if "humaneval" in summaries:
         plot_front(summaries["humaneval"], out_dir / "pareto.png")
     C.log(f"wrote {out_dir}/audit.md, audit.csv, audit.json" + ("" if finished else " (unfinished: rerun)"))
-
 
 def plot_front(rows: dict, path: pathlib.Path) -> None:
     """pass@1 against speedup over target-only (speed pass), every method labelled, the front drawn."""
@@ -596,4 +596,4 @@ def _result(books, task_id, spec) -> dict:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    C.run_main(main)

@@ -27,11 +27,11 @@ import time
 from absl import app, flags, logging
 
 try:  # imported as experiments.bench_decode (tests) or run as a script (experiments/ on sys.path)
+    from experiments import _common as C
     from experiments import _llamacpp
-    from experiments._common import machine
 except ImportError:
+    import _common as C
     import _llamacpp
-    from _common import machine
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset (a GGUF that transformers can load).")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per request.")
@@ -144,7 +144,7 @@ def main(argv):
         loads.append(os.getloadavg())
     bandwidth = max(bandwidth, copy_bandwidth_gbs())
 
-    print(f"machine: {machine()}" + (f"; torch threads {torch.get_num_threads()}" if peer is not None else ""))
+    print(f"machine: {C.machine()}" + (f"; torch threads {torch.get_num_threads()}" if peer is not None else ""))
     print("load averages (1, 5, 15 min) before and after each repetition: "
           + "; ".join("/".join(f"{x:.1f}" for x in la) for la in loads))
     print(f"model: {_MODEL.value}; prompt {len(ids)} tokens; {_NEW.value} new tokens; "
@@ -187,4 +187,4 @@ def float_head(m):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    C.run_main(main)

@@ -19,7 +19,12 @@ import json
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
+
+try:
+    from experiments import _paths as P
+except ImportError:
+    import _paths as P
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +169,7 @@ def fmt(row, peak) -> str:
 
 
 def main(argv):
+    P.check_output("json_out", FLAGS.json_out)  # before any work
     del argv
     accel = _dispatch.accelerator()
     interpret = accel is None
@@ -186,10 +192,10 @@ def main(argv):
         rows.append(bench_regret(batch, accel, interpret, rng))
         print(fmt(rows[-1], peak), flush=True)
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
+        with P.atomic_open(FLAGS.json_out, "w") as f:
             for row in rows:
                 f.write(json.dumps(dict(row, device=str(getattr(device, "device_kind", device)))) + "\n")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    P.run(main)

@@ -38,6 +38,11 @@ import time
 
 from absl import app, flags, logging
 
+try:
+    from experiments import _paths as P
+except ImportError:
+    import _paths as P
+
 from _common import machine  # noqa: E402  (experiments/ is on sys.path when run as a script)
 
 FLAGS = flags.FLAGS
@@ -280,4 +285,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    P.run(main)

@@ -98,6 +98,7 @@ def parse_options(method: str, text: str) -> dict:
 
 
 def main(argv):
+    C.check_output("csv", _CSV.value)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
@@ -218,7 +219,7 @@ def main(argv):
         if "llama_acceptance" in r and r["llama_acceptance"] == r["llama_acceptance"]:  # not NaN
             print(f"llama.cpp {r['method']}: {r['llama_acceptance']:.1%} of drafted tokens accepted")
     if _CSV.value:
-        with open(_CSV.value, "w", newline="") as f:
+        with C.atomic_open(_CSV.value, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["llama_acceptance"], restval="")
             writer.writeheader()
             writer.writerows(rows)
@@ -339,4 +340,4 @@ def _log(msg):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    C.run_main(main)

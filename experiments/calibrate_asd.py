@@ -40,7 +40,6 @@ try:
 except ImportError:
     import _common as C
     import _rounds as R
-
 C.define_calibration_source_flags(num_prompts=40, max_new_tokens=128)
 for _module in C.FLAG_MODULES:  # --help lists the shared flags
     flags.adopt_module_key_flags(_module)
@@ -55,6 +54,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+    C.check_output("output", _OUTPUT.value); C.check_output("cache_dir", FLAGS.cache_dir, dir=True)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     C.validate_calibration_source_flags()
@@ -107,7 +107,7 @@ def main(argv):
     if _CROSSCHECK.value:
         result["crosscheck"] = crosscheck(target, ids, [f.seq.tolist() for f in forced], rounds_per_request)
     result["values"] = [float(x) for x in v]
-    with open(_OUTPUT.value, "w", encoding="utf-8") as f:
+    with C.atomic_open(_OUTPUT.value, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     print(f"ASD calibration (k={K}): {len(v)} values from {mismatch_rounds} mismatch blocks in "
           f"{result['rounds']} rounds ({len(texts)} prompts, {result['generated_tokens']} tokens)")
@@ -133,4 +133,4 @@ def crosscheck(target, ids, seqs, rounds_per_request) -> dict:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    C.run_main(main)

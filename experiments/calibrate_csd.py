@@ -34,7 +34,6 @@ try:
 except ImportError:
     import _common as C
     import _rounds as R
-
 C.define_calibration_source_flags(num_prompts=40, max_new_tokens=128)
 for _module in C.FLAG_MODULES:  # --help lists the shared flags
     flags.adopt_module_key_flags(_module)
@@ -62,14 +61,14 @@ def _validate():
 def count_pairs(forced: list[R.Forced], prompt_lens, positions: str, k: int):
     """(pairs int32[P, 2], counts int32[P], summary) of the draft/target disagreements."""
     found, compared, truncated = [], 0, 0
-    for (seq, t_Q, d_Q, _), P in zip(forced, prompt_lens):
-        end = R.consistent_end(t_Q, seq, P)
+    for (seq, t_Q, d_Q, _), prompt_len in zip(forced, prompt_lens):
+        end = R.consistent_end(t_Q, seq, prompt_len)
         truncated += end < len(seq) - 1
         if positions == "all":
-            q = np.arange(P, end)
+            q = np.arange(prompt_len, end)
             compared += len(q)
         else:
-            rounds = R.exact_rounds(t_Q, d_Q, P, end, k)
+            rounds = R.exact_rounds(t_Q, d_Q, prompt_len, end, k)
             q = np.asarray([r.L + r.b for r in rounds if r.mismatch], np.int64)
             compared += sum(r.b + r.mismatch for r in rounds)  # drafts the rounds examined
         q = q[d_Q[q] != t_Q[q]]
@@ -85,6 +84,7 @@ def count_pairs(forced: list[R.Forced], prompt_lens, positions: str, k: int):
 
 
 def main(argv):
+    C.check_output("output", _OUTPUT.value, dir=True); C.check_output("cache_dir", FLAGS.cache_dir, dir=True)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     _validate()
@@ -130,7 +130,7 @@ def main(argv):
         print(f"  {p['count']:6d}  draft {p['draft']!r:>14} -> target {p['target']!r}")
     if held_out:
         meta["eval"] = evaluate(target, held_out, str(path))
-        (path / "calibration.json").write_text(json.dumps(C.jsonable(meta), indent=1))
+        C.write_text(path / "calibration.json", json.dumps(C.jsonable(meta), indent=1))
 
 
 def evaluate(target, texts, memory_path) -> dict:
@@ -158,4 +158,4 @@ def evaluate(target, texts, memory_path) -> dict:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    C.run_main(main)

@@ -13,7 +13,12 @@ from __future__ import annotations
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
+
+try:
+    from experiments import _paths as P
+except ImportError:
+    import _paths as P
 
 _OUT = flags.DEFINE_string("out", "", "Also write the report here.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per request.")
@@ -29,6 +34,7 @@ QWEN05 = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_la
 
 
 def main(argv):
+    P.check_output("out", _OUT.value)  # before any work
     del argv
     import jax
     import numpy as np
@@ -84,9 +90,9 @@ def main(argv):
                 med = statistics.median(tps)
                 log(f"| {label} | {med:.1f} | {med / base:.2f} | {outs[label].stats['tau']:.2f} |")
     if _OUT.value:
-        with open(_OUT.value, "w") as f:
+        with P.atomic_open(_OUT.value, "w") as f:
             f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    P.run(main)

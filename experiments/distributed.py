@@ -31,6 +31,11 @@ import time
 
 from absl import app, flags
 
+try:
+    from experiments import _paths as P
+except ImportError:
+    import _paths as P
+
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0 (jax.distributed); unset: one process.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", 1, "Processes in the run (-1: detect, e.g. TPU pod/SLURM).")
@@ -190,4 +195,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    P.run(main)

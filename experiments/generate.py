@@ -29,7 +29,6 @@ try:
     from experiments import _common as C  # python -m experiments.generate
 except ImportError:
     import _common as C  # python experiments/generate.py
-
 _MODEL = flags.DEFINE_string("model", models.DEFAULT_PRESET,
                              f"Target: a preset ({', '.join(models.PRESETS)}), a .gguf file, a Hugging Face "
                              f"directory, or {C.RANDOM}[:SEED] (a tiny random model, for tests).")
@@ -80,6 +79,7 @@ def _validate() -> None:
 
 
 def main(argv):
+    C.check_output("output", _OUTPUT.value)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     _validate()
@@ -150,10 +150,10 @@ def main(argv):
                   "prompts": texts, "texts": [tok.decode(t, skip_special_tokens=True) for t in result.tokens],
                   "tokens": result.tokens, "stats": s,
                   "target_only": None if baseline is None else {"seconds": base.seconds, "tokens": base.tokens}}
-        with open(_OUTPUT.value, "w", encoding="utf-8") as f:
+        with C.atomic_open(_OUTPUT.value, "w", encoding="utf-8") as f:
             json.dump(C.jsonable(record), f, indent=1)
         say(f"wrote {_OUTPUT.value}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    C.run_main(main)

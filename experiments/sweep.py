@@ -39,7 +39,6 @@ try:
 except ImportError:
     import _common as C
     import _humaneval as H
-
 SWEPT = ("greedy", "exact", "fly", "asd", "csd")
 
 _MODEL = flags.DEFINE_string("model", models.DEFAULT_PRESET, "Target model (preset, .gguf, HF directory, "
@@ -118,6 +117,7 @@ def label(method, k, options) -> str:
 
 
 def main(argv):
+    C.check_output("output_dir", _OUT.value, dir=True)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     for name in ("num_prompts", "max_new_tokens", "batch_size"):
@@ -195,7 +195,7 @@ def main(argv):
             "num_prompts": len(ids), "prompt_offset": flags.FLAGS.prompt_offset, "max_new_tokens": _MAX_NEW.value,
             "stop_at_eos": _STOP_AT_EOS.value, "batch_size": _BATCH.value, "machine": C.machine(),
             "seconds": time.perf_counter() - start, "rows": rows}
-    (out_dir / "sweep.json").write_text(json.dumps(C.jsonable(meta), indent=1))
+    C.write_text(out_dir / "sweep.json", json.dumps(C.jsonable(meta), indent=1))
     plots = plot(rows, out_dir, f"{_MODEL.value}, draft {_DRAFT.value}, {len(ids)} prompts")
     print(f"machine: {meta['machine']}")
     print("| point | tau | speedup | divergence | loose share |" + (" pass@1 | recovery |" if problems else ""))
@@ -250,4 +250,4 @@ def plot(rows, out_dir: pathlib.Path, title: str) -> list[pathlib.Path]:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    C.run_main(main)

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from specjax import sampling
 from specjax.models import llama
 from specjax.models.config import Config
 from specjax.models.model import Model
@@ -79,8 +80,8 @@ def _choose(key, logits_BV, temperature):
     """Greedy at T = 0 (probs None: a point mass); else a sample and the distribution it came from."""
     if temperature == 0.0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
-    probs_BV = jax.nn.softmax(logits_BV.astype(jnp.float32) / temperature, axis=-1)
-    return jax.random.categorical(key, logits_BV / temperature, axis=-1).astype(jnp.int32), probs_BV
+    scaled_BV = sampling.tempered(logits_BV, temperature)
+    return jax.random.categorical(key, scaled_BV, axis=-1).astype(jnp.int32), jax.nn.softmax(scaled_BV, axis=-1)
 
 
 def _last_two(seq_BS, lengths_B):

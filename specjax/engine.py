@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from specjax import compile_cache, drafters, loop, metrics, sharding, verify
+from specjax import _checks, compile_cache, drafters, loop, metrics, sharding, verify
 from specjax.models.model import Model
 
 _CACHE_BUCKET = 64
@@ -72,6 +72,7 @@ class Engine:
                  pld_match: str = "earliest", prompt_bucket: int | None = None, **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
+        _checks.engine_args(temperature=temperature, top_p=top_p, seed=seed, eos_ids=eos_ids)  # NaN, "12", 1.5
         compile_cache.enable()  # a second process with the same shapes loads its programs
         mesh_config = None if mesh is None else sharding.MeshConfig.of(mesh)  # validated before compiling
         if mesh_config is not None:  # attention="pad": zero heads appended so that they divide the model axis
@@ -80,8 +81,6 @@ class Engine:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k must be an integer >= 1, got {k!r}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if max_len is not None and max_len <= 1:
@@ -97,7 +96,9 @@ class Engine:
         self.temperature, self.top_p, self.seed, self.mesh = float(temperature), float(top_p), seed, mesh
         self.eos_ids = tuple(int(e) for e in (target.eos_token_ids if eos_ids is None else eos_ids))
         self.rule, self._start_state = _rule(method, rule_options, self.temperature, draft is None)
-        self.method = method if isinstance(method, str) else self.rule.name
+        if isinstance(self._start_state, verify.CSDMemory):  # a memory of another tokenizer
+            verify.check_csd_vocab("Engine", self._start_state, target.config.vocab_size)
+        self.method = method if isinstance(method, str) else method.name
         self.drafter, draft_params = drafters.from_spec(draft, target, self.k, pld_match=pld_match,
                                                         temperature=self.temperature)
         if self.drafter is not None and self.top_p < 1.0:
@@ -139,6 +140,8 @@ class Engine:
                 raise ValueError(
                     f"request does not fit the cache: longest prompt {longest} + max_new_tokens "
                     f"{self.max_new_tokens} + k {self.k} + 1 = {needed} > max_len {max_len}")
+        _checks.positions("Engine", self.target.config, longest + self.max_new_tokens, "longest prompt + max_new_tokens")
+        _checks.cache_fits(_checks.cache_configs(self), self.target.dtype, len(prompts), max_len, self.max_new_tokens)
         T = min(width, max_len)
         prompt_BT = np.zeros((len(prompts), T), np.int32)
         for i, p in enumerate(prompts):
@@ -176,6 +179,8 @@ class Engine:
             raise ValueError(f"rule_state does not match method {self.method!r}'s state: expected the structure "
                              f"{want}, got {got} (pass the rule_state of an earlier output of this engine)")
         given = jax.device_get(given)  # host arrays, like `fresh`: one comparison, one jit cache entry
+        if isinstance(given, verify.CSDMemory):  # a memory of another tokenizer
+            verify.check_csd_vocab("Engine", given, self.target.config.vocab_size)
         # a CSD memory of any capacity is a valid start (its table's size is its own shape)
         any_size = isinstance(given, verify.CSDMemory)
         for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(given)):
@@ -183,7 +188,7 @@ class Engine:
             if (a.shape != b.shape and not any_size) or a.dtype != b.dtype:
                 raise ValueError(f"rule_state does not match method {self.method!r}'s state: an array of "
                                  f"{b.dtype}{list(b.shape)} where {a.dtype}{list(a.shape)} is expected "
-                                 "(a batch of another size for ASD's per-request ledgers?)")
+                                 + _checks.state_hint(self.method, a, b))
         return given
 
     # -- public --------------------------------------------------------------
@@ -200,7 +205,8 @@ class Engine:
         program, args = self._prepare(prompts, rule_state)
         out = jax.device_get(program.run(**args))
         tokens = [out.seq_BS[b, len(p): len(p) + out.num_out_B[b]].tolist() for b, p in enumerate(prompts)]
-        return GenerateOutput(tokens, metrics.statistics(out.counters, out.rule_state), out.rule_state)
+        return _checks.flag_invalid(GenerateOutput(tokens, metrics.statistics(out.counters, out.rule_state),
+                                                   out.rule_state))
 
     def lower(self, prompts: Sequence[Sequence[int]], rule_state=None) -> jax.stages.Lowered:
         """The whole generation for these prompts' shapes, lowered (`.compile()` fills the cache

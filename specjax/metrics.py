@@ -117,6 +117,8 @@ def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for name in ("rounds_B", "round_tokens_B", "accepted_K", "offered_K", "num_loose_B", "examined_B",
                      "spent_B")})
     out = statistics(merged)
+    if "invalid_logit_tokens" in parts[0]:  # per request (the engine's NaN policy)
+        out["invalid_logit_tokens"] = [x for p in parts for x in p["invalid_logit_tokens"]]
     if "csd_memory_filled" in parts[0]:
         out["csd_memory_filled"] = max(p["csd_memory_filled"] for p in parts)
         out["csd_memory_capacity"] = parts[0]["csd_memory_capacity"]

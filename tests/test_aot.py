@@ -83,7 +83,9 @@ def test_tiny_speculative_program_compiles_for_v5e_with_mosaic_kernels():
 
 @pytest.mark.tpu_aot
 @needs_libtpu
-@pytest.mark.parametrize("method, mesh_shape", [("asd", (2, 2)), ("asd", (4, 1)), ("csd", (1, 4))])
+@pytest.mark.parametrize("method, mesh_shape", [
+    ("asd", (2, 2)), pytest.param("asd", (4, 1), marks=pytest.mark.heavy),
+    pytest.param("csd", (1, 4), marks=pytest.mark.heavy)])
 def test_kernels_outside_shard_map_compile_on_a_multi_chip_mesh(method, mesh_shape):
     """ASD's regret-prefix kernel (and the gate statistics where the vocabulary is not split)
     run outside the vocabulary shard_map: the engine wraps them in a replicated one

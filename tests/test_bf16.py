@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _presets import resolve_or_skip
+
 import specjax
 from specjax import models, sharding
 from specjax.models import Config, ConfigError, catalog, llama, quant
@@ -152,10 +154,7 @@ def test_pad_vocab_gives_the_same_tokens_and_never_a_padding_id():
 def test_catalog_smollm2_matches_its_gguf():
     from specjax.models import model as model_lib
 
-    try:
-        path = models.presets.resolve("smollm2-135m-instruct")
-    except models.PresetError as e:
-        pytest.skip(str(e))
+    path = resolve_or_skip("smollm2-135m-instruct")
     from_file, _ = model_lib._read_config_and_tokenizer(path, True)
     named = catalog.config("smollm2-135m-instruct")
     dims = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

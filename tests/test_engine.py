@@ -164,3 +164,13 @@ def test_prompt_widths_form_a_geometric_ladder():
     assert all(w <= max(16, n + 15) if n <= 64 else w < 1.5 * n for n, w in widths.items())  # padding under half
     assert sorted({widths[n] for n in range(20, 401)}) == [32, 48, 64, 96, 128, 192, 256, 384, 512]
     assert prompt_width(20, 16) == 32 and prompt_width(129, 128) == 256  # an explicit bucket: its multiples
+
+
+def test_target_only_takes_the_greedy_rule_object(tiny):
+    from specjax import verify
+
+    by_object = specjax.Engine(tiny, method=verify.Greedy(), max_new_tokens=5)
+    assert by_object.rule is None and by_object.method == "greedy"
+    assert by_object.generate(PROMPTS).tokens == specjax.Engine(tiny, max_new_tokens=5).generate(PROMPTS).tokens
+    with pytest.raises(ValueError, match="method 'fly' needs a draft"):
+        specjax.Engine(tiny, method=verify.Fly(), max_new_tokens=5)

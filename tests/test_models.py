@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _presets import resolve_or_skip
+
 from specjax import models
 from specjax.models import Config, ConfigError, llama
 
@@ -257,10 +259,7 @@ def test_qwen_coder_gguf_parity():
     import torch
     import transformers
 
-    try:
-        path = models.presets.resolve("qwen2.5-coder-0.5b-instruct")
-    except models.PresetError as e:
-        pytest.skip(str(e))
+    path = resolve_or_skip("qwen2.5-coder-0.5b-instruct")
     m = models.load("qwen2.5-coder-0.5b-instruct")
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                                   dtype=torch.float32).eval()

@@ -86,7 +86,7 @@ def case_id(case):
 def assert_partitioned(engine, prompts, attention):
     """The compiled program (cached by generate) takes the weights split over "model"."""
     compiled = engine.lower(prompts).compile()
-    shardings = compiled.input_shardings[0][0]  # the target's parameters
+    shardings = compiled.input_shardings[1]["params"].target  # the target's parameters (keyword arguments)
     names = ["w_gate", "w_up", "w_down"] + (["wq", "wk", "wv", "wo"] if attention else [])
     for name in names:
         for s in jax.tree.leaves(shardings["layers"][name]):  # a BlockQuant has several arrays

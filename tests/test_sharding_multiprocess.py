@@ -92,7 +92,7 @@ def _layer_bytes(path, fmt):
     return sum(n for _, n in tensors), sum(n for name, n in tensors if is_norm(name))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
 def test_each_process_reads_half_of_the_layers(fmt, tmp_path):
     """A checkpoint written here (bf16 safetensors; Q8_0 GGUF with llama.cpp's RoPE row order),

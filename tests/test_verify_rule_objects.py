@@ -202,7 +202,8 @@ def test_rules_reject_bad_options_at_construction(method, options, match):
     (verify.Csd(), 0.7, "'csd' is a temperature-0 rule"),
     (verify.Greedy(), 0.7, "'greedy' is a temperature-0 rule.*verify.Sampling"),
     (verify.Sampling(), -1.0, "temperature must be"),
-    (verify.Fly(), float("inf"), None),
+    (verify.Fly(), float("inf"), "temperature must be a static, finite"),
+    (verify.Fly(), 0.7, None),
 ])
 def test_temperature_is_checked_per_rule(rule, temperature, match):
     if match is None:

@@ -23,6 +23,62 @@ class MissingTensorError(KeyError):
         return str(self.args[0])
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that is not what it claims: unreadable, truncated, or with non-finite weights."""
+
+
+def read_json(path: pathlib.Path) -> Any:
+    """json.loads of a file, with an error that names the file."""
+    try:
+        return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+
+
+def open_gguf(path):
+    """A gguf.GGUFReader, with an error that names the file when it is empty, truncated or not a GGUF."""
+    import gguf
+
+    path = pathlib.Path(path)
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes), not a GGUF file")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the library fails deep inside (reshape, struct, mmap errors)
+        raise CheckpointError(f"{path} ({size} bytes) is not a readable GGUF file, or is truncated: "
+                              f"{type(e).__name__}: {e}") from None
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise CheckpointError(f"{path} is truncated: its tensors need {end} bytes, the file has {size}")
+    return reader
+
+
+# Beyond float16's range: no weight of a working checkpoint (its GGUF block scales are float16).
+_MAX_WEIGHT = 65504.0
+
+
+def check_tensor(name: str, w, source: str):
+    """Refuses non-finite or absurdly large weights (a corrupt block scale), naming the tensor; returns w."""
+    if isinstance(w, quant.RawBlocks):
+        parts = [("scale", np.asarray(w.scale))] + ([] if w.offset is None else [("offset", np.asarray(w.offset))])
+        peak = float(np.abs(parts[0][1]).max(initial=0)) * float(np.abs(np.asarray(w.codes)).max(initial=0))
+        peak += 0.0 if w.offset is None else float(np.abs(parts[1][1]).max(initial=0))
+    else:
+        parts = [("values", np.asarray(w))]
+        peak = None
+    for what, a in parts:
+        if not np.isfinite(a).all():
+            raise CheckpointError(f"tensor {name!r} in {source} has non-finite {what} "
+                                  f"({int((~np.isfinite(a)).sum())} of {a.size}): the file is corrupt")
+    if peak is None:
+        peak = float(np.abs(parts[0][1]).max(initial=0))
+    if peak > _MAX_WEIGHT:
+        raise CheckpointError(f"tensor {name!r} in {source} has weights up to {peak:.3g}, beyond any working "
+                              f"checkpoint's (|w| <= {_MAX_WEIGHT:g}): a corrupt block scale?")
+    return w
+
+
 # Per-layer tensors, transformers names (the part after `model.layers.{i}.`).
 _LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                   "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
@@ -144,7 +200,7 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
     """
     import gguf  # the format library: parsing and dequantization
 
-    reader = gguf.GGUFReader(str(path))
+    reader = open_gguf(path)
     fields = gguf_fields(reader)
     tensors = {t.name: t for t in reader.tensors}
     rope_freqs = None
@@ -165,12 +221,18 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
         t = by_hf[hf_name]
         # Layer weights, the embedding and the LM head stay quantized: inside the layer scan XLA
         # dequantizes each layer's blocks into a buffer that the matmul reads (measured 1.4-1.6x
-        # faster than float32 weights on CPU); the head is read a vocabulary chunk at a time
-        # inside its own scan (`quant.matmul_columns`), since an unscanned dequantization fused
-        # into the dot becomes a slow naive loop (measured 10x slower).
+        # faster than float32 weights on CPU); on the CPU the head is read a vocabulary chunk at
+        # a time inside its own scan (`quant.matmul_columns`), since an unscanned dequantization
+        # fused into the dot becomes a slow naive loop (measured 10x slower).
         matrix = hf_name.endswith(".weight") and "norm" not in hf_name
         if keep_quantized and matrix and quant.supports(t.tensor_type):
-            w = quant.extract_codes(t.data, t.tensor_type)
+            try:
+                w = quant.extract_codes(t.data, t.tensor_type)
+            except ValueError as e:  # codes and scales that do not round-trip: say why, naming the tensor
+                values = gguf.quants.dequantize(t.data, t.tensor_type)
+                why = (f"{int((~np.isfinite(values)).sum())} non-finite weights (a NaN or inf block scale)"
+                       if not np.isfinite(values).all() else str(e))
+                raise CheckpointError(f"tensor {t.name!r} in {path} is corrupt: {why}") from None
         else:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         if permute and hf_name.endswith("self_attn.q_proj.weight"):
@@ -181,10 +243,24 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
             w = _unpermute_rope_rows(w, c.num_heads if "q_proj" in hf_name else c.num_kv_heads)
         return w
 
-    return c, build_params(c, get, str(path)), fields
+    params = build_params(c, lambda name: check_tensor(by_hf[name].name, get(name), str(path)), str(path))
+    return c, params, fields
 
 
 # --- Hugging Face directory (config.json + safetensors) ----------------------
+
+def safetensors_weight_map(path: pathlib.Path) -> dict[str, str]:
+    """Tensor name -> safetensors file of a Hugging Face directory (one file, or sharded with an index)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return read_json(index)["weight_map"]
+    if (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", framework="numpy") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
 
 def load_hf_dir(path: str | pathlib.Path):
     """(Config, float32 params) from a directory with config.json and safetensors
@@ -195,15 +271,8 @@ def load_hf_dir(path: str | pathlib.Path):
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
-    c = config_lib.from_hf_dict(json.loads(cfg_file.read_text()))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (path / "model.safetensors").is_file():
-        with safe_open(path / "model.safetensors", framework="flax") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    c = config_lib.from_hf_dict(read_json(cfg_file))
+    weight_map = safetensors_weight_map(path)
     handles = {}
 
     def get(name):
@@ -215,7 +284,7 @@ def load_hf_dir(path: str | pathlib.Path):
             handles[shard] = safe_open(path / shard, framework="flax")
         return np.asarray(handles[shard].get_tensor(name).astype("float32"))
 
-    params = build_params(c, get, str(path))
+    params = build_params(c, lambda name: check_tensor(name, get(name), str(path)), str(path))
     if c.tie_embeddings:
         weight_map.pop("lm_head.weight", None)  # some exports write the tied head anyway
     unknown = sorted(set(weight_map) - set(expected_tensors(c)) - {"lm_head.weight"})

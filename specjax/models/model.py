@@ -40,9 +40,13 @@ class Model:
 
     def logits(self, tokens_BT) -> jax.Array:
         """Full causal forward, no cache: int32[B, T] -> float32[B, T, V] at positions 0..T-1."""
-        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
+        from specjax import _checks
+
+        tokens_BT = _checks.token_ids("Model.logits", tokens_BT, self.config.vocab_size)
         if tokens_BT.ndim != 2 or tokens_BT.shape[1] == 0:
             raise ValueError(f"tokens must be int32[B, T] with T >= 1, got shape {tokens_BT.shape}")
+        _checks.positions("Model.logits", self.config, tokens_BT.shape[1], "T")
+        tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         return _logits(self.config, self.dtype, self.params, tokens_BT)
 
     @property
@@ -148,12 +152,15 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
         params, how = _load_sharded(path, is_gguf, config, ckpt_dir, dtype, cache, keep_quantized, mesh, role)
         return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
     params, how = None, "converted"
-    if cache and (ckpt_dir / "config.json").is_file():
+    if cache and ckpt_dir.parent.is_dir():
+        _remove_stale_temporaries(ckpt_dir.parent)
+    if cache and ckpt_dir.exists():
         try:
             params = _restore(ckpt_dir, config)
             how = "orbax-cache"
-        except Exception as e:  # a corrupt or partial cache is rebuilt, not trusted
-            logging.warning("ignoring unreadable parameter cache %s: %s", ckpt_dir, e)
+        except Exception as e:  # a corrupt, partial or altered cache is rebuilt, never trusted
+            logging.warning("parameter cache %s failed its check (%s); rebuilding it from %s", ckpt_dir,
+                            str(e).splitlines()[0][:300], path)
     if params is None:
         params = (convert.load_gguf(path, keep_quantized=keep_quantized)[1] if is_gguf
                   else convert.load_hf_dir(path)[1])
@@ -208,7 +215,7 @@ def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
     if is_gguf:
         import gguf
 
-        reader = gguf.GGUFReader(str(path))
+        reader = convert.open_gguf(path)
         fields = convert.gguf_fields(reader)
         names = [t.name for t in reader.tensors]
         rope_freqs = None
@@ -217,27 +224,102 @@ def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
             rope_freqs = gguf.quants.dequantize(t.data, t.tensor_type)
         config = config_lib.from_gguf_fields(fields, tensor_names=names, rope_freqs=rope_freqs)
         return config, tokenizer_lib.Tokenizer.from_gguf(reader)
-    config = config_lib.from_hf_dict(json.loads((path / "config.json").read_text()))
+    config = config_lib.from_hf_dict(convert.read_json(path / "config.json"))
     tok = tokenizer_lib.Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
     return config, tok
 
 
+_MANIFEST = "manifest.json"  # SHA-256 of every other file, written last: a cache without it is incomplete
+
+
+def _file_hashes(root: pathlib.Path) -> dict[str, str]:
+    return {str(f.relative_to(root)): presets.sha256_file(f) for f in sorted(root.rglob("*"))
+            if f.is_file() and f.name != _MANIFEST}
+
+
+def _remove_stale_temporaries(parent: pathlib.Path) -> None:
+    """Deletes `<key>.tmp<PID>` directories whose process is gone (a save killed midway)."""
+    for tmp in parent.glob("*.tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its process still runs: maybe saving right now
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        logging.warning("removed %s, left by an interrupted save", tmp)
+
+
 def _save(ckpt_dir: pathlib.Path, config: Config, params) -> None:
+    import shutil
+
     import orbax.checkpoint as ocp
 
     plain, quantized = quant.to_plain(params)
     ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(ckpt_dir.parent)
     tmp = ckpt_dir.with_name(ckpt_dir.name + f".tmp{os.getpid()}")
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(tmp.resolve() / "params", plain, force=True)
-    ckptr.wait_until_finished()
-    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
-    (tmp / "quantized.json").write_text(json.dumps(quantized))
-    if ckpt_dir.exists():
-        import shutil
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(tmp.resolve() / "params", plain)
+        ckptr.wait_until_finished()
+        ckptr.close()
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+        (tmp / "quantized.json").write_text(json.dumps(quantized))
+        (tmp / _MANIFEST).write_text(json.dumps({"version": 1, "sha256": _file_hashes(tmp)}, indent=0))
+        if ckpt_dir.exists():
+            shutil.rmtree(ckpt_dir)
+        os.replace(tmp, ckpt_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
-        shutil.rmtree(ckpt_dir)
-    os.replace(tmp, ckpt_dir)
+
+class CacheError(ValueError):
+    """A converted-parameter cache that is incomplete, altered or not what this version writes."""
+
+
+def _verify(ckpt_dir: pathlib.Path) -> None:
+    """Every file is listed in the manifest with its SHA-256, and nothing else is there."""
+    try:
+        manifest = json.loads((ckpt_dir / _MANIFEST).read_text())
+        want = manifest["sha256"]
+        if not isinstance(want, dict) or not want:
+            raise TypeError
+    except FileNotFoundError:
+        raise CacheError("no manifest.json (an incomplete save, or one by an older version)") from None
+    except (ValueError, TypeError, KeyError):
+        raise CacheError("manifest.json is not a valid manifest") from None
+    got = _file_hashes(ckpt_dir)
+    if set(got) != set(want):
+        diff = sorted(set(got) ^ set(want))
+        raise CacheError(f"files differ from the manifest ({', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''})")
+    bad = [f for f in sorted(got) if got[f] != want[f]]
+    if bad:
+        raise CacheError(f"SHA-256 mismatch in {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}")
+
+
+def _check_tree(config: Config, params) -> None:
+    """The restored tree has exactly the structure and shapes of this config's parameters."""
+    expected = jax.eval_shape(llama.Transformer(config).init, jax.random.PRNGKey(0),
+                              jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))["params"]
+    is_leaf = lambda x: isinstance(x, quant.BlockQuant)  # noqa: E731
+    got = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)[0]
+    want = jax.tree_util.tree_flatten_with_path(expected)[0]
+    if [p for p, _ in got] != [p for p, _ in want]:
+        raise CacheError("parameter tree differs from the model's")
+    for (path, x), (_, w) in zip(got, want):
+        shape = (*x.codes.shape[: x.codes.ndim - 3], *x.shape) if is_leaf(x) else tuple(x.shape)
+        if shape != tuple(w.shape):
+            raise CacheError(f"{jax.tree_util.keystr(path)} has shape {shape}, expected {tuple(w.shape)}")
 
 
 def _restore(ckpt_dir: pathlib.Path, config: Config, abstract_params=None, shardings=None):
@@ -245,12 +327,29 @@ def _restore(ckpt_dir: pathlib.Path, config: Config, abstract_params=None, shard
     each array at its sharding, reading only the parts of this process's devices."""
     import orbax.checkpoint as ocp
 
-    saved = json.loads((ckpt_dir / "config.json").read_text())
+    # Checked before orbax reads anything: a damaged file then never reaches tensorstore, whose
+    # reads still in flight after a failed restore end in "Event loop is closed" tracebacks.
+    _verify(ckpt_dir)
+    try:
+        saved = json.loads((ckpt_dir / "config.json").read_text())
+        quantized = json.loads((ckpt_dir / "quantized.json").read_text())
+    except ValueError as e:
+        raise CacheError(f"unreadable metadata: {e}") from None
     if saved != json.loads(json.dumps(dataclasses.asdict(config))):
-        raise ValueError("cached config differs from the checkpoint's")
+        raise CacheError("cached config differs from the checkpoint's")
+    if not isinstance(quantized, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and v and all(isinstance(d, int) and d > 0 for d in v)
+            for k, v in quantized.items()):
+        raise CacheError("quantized.json is not a {path: shape} map")
     target = None
     if abstract_params is not None:
         target = quant.to_plain(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                              abstract_params, shardings))[0]
-    plain = ocp.StandardCheckpointer().restore(ckpt_dir.resolve() / "params", target)
-    return quant.from_plain(plain, json.loads((ckpt_dir / "quantized.json").read_text()))
+    with ocp.StandardCheckpointer() as ckptr:
+        plain = ckptr.restore(ckpt_dir.resolve() / "params", target)
+    try:
+        params = quant.from_plain(plain, quantized)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+        raise CacheError(f"quantized.json does not match the saved arrays: {e!r}") from None
+    _check_tree(config, params)
+    return params

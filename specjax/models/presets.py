@@ -130,8 +130,11 @@ def resolve(name: str) -> pathlib.Path:
                             out.write(block)
             os.replace(tmp, target)
             marker.unlink(missing_ok=True)
-    # Hashing a 1 GB file costs seconds; a marker keyed by size and mtime skips it on later loads.
-    stamp = f"{target.stat().st_size}:{target.stat().st_mtime_ns}"
+    # Hashing a 1 GB file costs seconds; a marker skips it on later loads. It is keyed on the inode's
+    # ctime as well as size and mtime: writing the file changes its ctime, and (unlike mtime) no
+    # utime() call can set it back, so a file altered in place is hashed again.
+    st = target.stat()
+    stamp = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
     if not (marker.is_file() and marker.read_text() == stamp):
         try:
             _verify(target, preset)

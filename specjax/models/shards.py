@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import pathlib
 from typing import Callable
@@ -362,15 +361,8 @@ def lazy_hf_dir(path, dtype=np.float32):
     from safetensors import safe_open
 
     path = pathlib.Path(path)
-    c = config_lib.from_hf_dict(json.loads((path / "config.json").read_text()))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (path / "model.safetensors").is_file():
-        with safe_open(path / "model.safetensors", framework="numpy") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}
-    else:
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    c = config_lib.from_hf_dict(convert.read_json(path / "config.json"))
+    weight_map = convert.safetensors_weight_map(path)
     handles = {}
 
     def tensor(name):

@@ -49,8 +49,8 @@ class GateStats(NamedTuple):
     argmax:             int32, lowest index of the max
     lse:                float32, log sum_v exp L[v]
     entropy:            float32, -sum p log p in nats (0 log 0 = 0)
-    entropy_normalized: float32, entropy / log V clamped to [0, 1]; 0 when V == 1 (SPEC "normalized")
-    entropy_top3:       float32, -sum over the min(3, V) largest p of p log p, clamped at 0 (SPEC "top3")
+    entropy_normalized: float32, entropy / log V clamped to [0, 1]; 0 when V == 1 (docs/rules.md "normalized")
+    entropy_top3:       float32, -sum over the min(3, V) largest p of p log p, clamped at 0 (docs/rules.md "top3")
     token_logit:        float32, L[token]; NaN when the token is out of [0, V) or not given
     """
     max_logit: jax.Array

@@ -11,7 +11,8 @@ sharded over the vocabulary on a mesh).
 from specjax.verify._asd import asd
 from specjax.verify._common import RowStats, Verdict, VocabSharding, row_stats, use_vocab_sharding
 from specjax.verify._csd import csd, csd_batch
-from specjax.verify._csd_memory import CSDMemory, csd_count, csd_memory, load_csd_memory, save_csd_memory
+from specjax.verify._csd_memory import (CSDMemory, check_vocab as check_csd_vocab, csd_count, csd_memory,
+                                       is_saved_memory, load_csd_memory, save_csd_memory)
 from specjax.verify._fly import fly
 from specjax.verify._greedy import greedy
 from specjax.verify._rules import (ALIASES, METHODS, RULES, Asd, Csd, Fly, Greedy, Round, RoundCounts, Rule,
@@ -37,12 +38,14 @@ __all__ = [
     "Verdict",
     "VocabSharding",
     "asd",
+    "check_csd_vocab",
     "csd",
     "csd_batch",
     "csd_count",
     "csd_memory",
     "fly",
     "greedy",
+    "is_saved_memory",
     "load_csd_memory",
     "row_stats",
     "rule",

@@ -70,8 +70,9 @@ def position(i, s: Scan, code, r, q, budget_left, g, m, k, strict) -> Scan:
 
 
 def check_options(fn: str, *, gate, block_cap, suffix, temperature=0.0) -> None:
-    _common.check_number(fn, "gate", gate)
-    _common.check_number(fn, "block_cap", block_cap)
+    # gate <= 0 or block_cap = 0 is the strict rule (SPEC.md); below that is a mistake, not a setting.
+    _common.check_number(fn, "gate", gate, low=0)
+    _common.check_number(fn, "block_cap", block_cap, low=0, integer=True)
     _common.check_choice(fn, "suffix", suffix, SUFFIXES)
     if _common.check_temperature(fn, temperature) > 0:
         raise ValueError(f"{fn}: ASD is a temperature-0 rule; got temperature={temperature}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import numbers
 from typing import NamedTuple
 
@@ -21,6 +22,16 @@ import jax.numpy as jnp
 from specjax import pallas
 
 ENTROPIES = ("normalized", "top3")
+
+INVALID_TOKEN = -1
+NAN_POLICY = """\
+Logit rows that hold a NaN or +inf, or no finite entry at all, are invalid: they
+name no token. `row_stats` gives them argmax -1, so every rule stops at such a
+position (no exact match, and no loose acceptance: the loose tests read NaN
+statistics, which pass no comparison) and the token it emits there is -1;
+`sampling.greedy` and `sampling.sample` return -1 for such a row too. The engine
+counts the -1 tokens of each request in stats["invalid_logit_tokens"] and warns;
+a -1 never silently becomes token 0."""
 
 
 class Verdict(NamedTuple):
@@ -141,7 +152,11 @@ def row_stats(logits_RV: jax.Array, tokens_R: jax.Array) -> RowStats:
         g = pallas.gate_stats(logits_RV, tokens_R)
     else:
         g = pallas.gate_stats_sharded(logits_RV, tokens_R, mesh=sharding.mesh, vocab_axis=sharding.vocab_axis)
-    return RowStats(g.max_logit, g.argmax, g.lse, g.entropy, g.entropy_normalized, g.entropy_top3, g.token_logit)
+    # Invalid rows (a NaN, +inf, or no finite logit) have no argmax: -1, never a draft token, so no rule
+    # accepts at that position and a next token read there is -1 (NAN_POLICY).
+    valid_R = jnp.isfinite(g.max_logit) & ~jnp.isnan(g.lse)
+    argmax_R = jnp.where(valid_R, g.argmax, INVALID_TOKEN)
+    return RowStats(g.max_logit, argmax_R, g.lse, g.entropy, g.entropy_normalized, g.entropy_top3, g.token_logit)
 
 
 def entropy_of(stats: RowStats, kind: str) -> jax.Array:
@@ -156,19 +171,39 @@ def check_choice(fn: str, name: str, value, choices) -> None:
         raise ValueError(f"{fn}: unknown {name}={value!r}; expected one of {', '.join(map(repr, choices))}")
 
 
-def check_number(fn: str, name: str, value) -> None:
-    """A numeric scalar: a Python number or a (possibly traced) 0-d array."""
+def check_number(fn: str, name: str, value, *, low=None, integer: bool = False, low_open: bool = False) -> None:
+    """A finite numeric scalar: a Python number or a (possibly traced) 0-d array.
+
+    A static value must be finite (NaN and inf pass no comparison, so they would
+    switch a rule's test off or on silently), >= low (> low with low_open) when
+    low is given, and a whole number when `integer`; a traced one is checked for
+    its dtype only."""
     try:
-        ok = value is not None and jnp.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.number)
+        ok = (value is not None and not isinstance(value, bool) and jnp.ndim(value) == 0
+              and jnp.issubdtype(jnp.result_type(value), jnp.number))
     except TypeError:
         ok = False
     if not ok:
         raise ValueError(f"{fn}: {name} must be a numeric scalar, got {value!r}")
+    if isinstance(value, jax.core.Tracer):
+        if integer and not jnp.issubdtype(value.dtype, jnp.integer):
+            raise ValueError(f"{fn}: {name} must be an integer, got {value.dtype}")
+        return
+    x = complex(value) if jnp.iscomplexobj(value) else float(value)
+    if isinstance(x, complex) or not math.isfinite(x):
+        raise ValueError(f"{fn}: {name} must be a finite number, got {value!r}")
+    if integer and x != int(x):
+        raise ValueError(f"{fn}: {name} must be a whole number, got {value!r}")
+    if low is not None and (x <= low if low_open else x < low):
+        raise ValueError(f"{fn}: {name} must be {'>' if low_open else '>='} {low}, got {value!r}")
 
 
 def check_temperature(fn: str, temperature) -> float:
-    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool) or not temperature >= 0:
-        raise ValueError(f"{fn}: temperature must be a static Python number >= 0, got {temperature!r}")
+    """A static, finite temperature >= 0. A tiny T > 0 is kept: `sampling.tempered` makes it greedy when
+    softmax(L / T) is one-hot in float32."""
+    if (not isinstance(temperature, numbers.Real) or isinstance(temperature, bool)
+            or not math.isfinite(temperature) or not temperature >= 0):
+        raise ValueError(f"{fn}: temperature must be a static, finite Python number >= 0, got {temperature!r}")
     return float(temperature)
 
 

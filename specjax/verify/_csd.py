@@ -9,8 +9,6 @@ scatter-add. Temperature 0 only.
 
 from __future__ import annotations
 
-import numbers
-
 import jax.numpy as jnp
 
 from specjax.verify import _common, _csd_memory
@@ -19,10 +17,10 @@ from specjax.verify._csd_memory import CSDMemory
 
 
 def check_options(fn: str, *, min_count, tau, update, temperature=0.0) -> None:
-    _common.check_number(fn, "min_count", min_count)
-    _common.check_number(fn, "tau", tau)
-    if isinstance(tau, numbers.Real) and tau < 0:
-        raise ValueError(f"{fn}: tau must be >= 0 (it is compared in log space), got {tau}")
+    # min_count = -1 is the memory-off ablation (count > -1 always: the tau gate alone decides);
+    # counts are whole numbers, so anything else below 0 or fractional is a mistake.
+    _common.check_number(fn, "min_count", min_count, low=-1, integer=True)
+    _common.check_number(fn, "tau", tau, low=0)  # compared in log space
     if not isinstance(update, bool):
         raise ValueError(f"{fn}: update must be a static bool, got {update!r}")
     if _common.check_temperature(fn, temperature) > 0:
@@ -41,10 +39,11 @@ def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau):
     count_K = _csd_memory.lookup(memory, d_K, t_K)
     # L[i][t[i]] is the row max.
     consistent_K = stats.logit_at[:K] - stats.max[:K] >= jnp.log(jnp.float32(tau))
-    ok_K = (count_K > min_count) & consistent_K & allowed_K
+    valid_K = t_K >= 0  # a row that names no target token (NaN / no finite logit) is never accepted or learnt
+    ok_K = (count_K > min_count) & consistent_K & allowed_K & valid_K
     n = _common.accepted_count(ex_K | (mis_K & ok_K))
     # The scan reaches the loosely accepted mismatches and the one that stopped it.
-    reached_K = mis_K & (jnp.arange(K) <= n)
+    reached_K = mis_K & (jnp.arange(K) <= n) & valid_K
     return Verdict(n, stats.argmax[n], _common.count_before(mis_K, n)), jnp.stack([d_K, t_K], -1), reached_K
 
 

@@ -10,6 +10,7 @@ dropped (they keep reading as count 0) and counted in `dropped`.
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from typing import NamedTuple
@@ -113,6 +114,17 @@ def check_memory(fn: str, memory) -> CSDMemory:
     return memory
 
 
+def check_vocab(fn: str, memory: CSDMemory, vocab_size: int) -> CSDMemory:
+    """Refuses a memory holding a token id outside [0, vocab_size) (built for another tokenizer)."""
+    check_memory(fn, memory)
+    keys = np.asarray(memory.keys)
+    used = keys[:, 0] != EMPTY
+    if used.any() and keys[used].max() >= vocab_size:
+        raise ValueError(f"{fn}: the CSD memory has token id {int(keys[used].max())}, outside the target's "
+                         f"vocabulary of {vocab_size}: it was built for another tokenizer")
+    return memory
+
+
 def csd_memory(capacity: int, pairs=None, counts=None) -> CSDMemory:
     """A table for up to `capacity` pairs, preloaded with offline counts.
 
@@ -155,24 +167,78 @@ def csd_count(memory: CSDMemory, draft_token, target_token) -> jax.Array:
     return lookup(memory, a[None], b[None])[0]
 
 
-def save_csd_memory(path, memory: CSDMemory) -> None:
+_MARKER = "specjax_csd_memory.json"  # written last into every saved memory: what may be replaced
+_ORBAX_ENTRIES = {"_CHECKPOINT_METADATA", "_METADATA", "_sharding", "manifest.ocdbt", "d", "descriptor",
+                  "array_metadatas", "commit_success.txt"}
+
+
+def is_saved_memory(path) -> bool:
+    """Whether `path` is a directory that `save_csd_memory` wrote (and so may replace)."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    if os.path.isfile(os.path.join(path, _MARKER)):
+        return True
+    # A save from before the marker: orbax's own files and nothing else, with a metadata file.
+    entries = set(os.listdir(path))
+    return ("_CHECKPOINT_METADATA" in entries and
+            all(e in _ORBAX_ENTRIES or e.startswith("ocdbt.process_") for e in entries))
+
+
+def save_csd_memory(path, memory: CSDMemory, *, overwrite: bool = False) -> None:
     """Saves a memory's pairs, counts and capacity with orbax in the directory `path`.
 
     Only the stored pairs are written (pairs int32[P, 2], counts int32[P],
     capacity), not the table, so the file does not depend on the hash layout.
-    An existing save there is replaced."""
+    Nothing but a saved memory is ever removed: a `path` that exists and is not
+    one is refused; an existing memory is replaced only with `overwrite=True`.
+    The save goes to a temporary directory beside `path` that then takes its
+    place, so an interrupted save leaves the old memory (or nothing) there.
+    """
+    import shutil
+
     import orbax.checkpoint as ocp
 
-    check_memory("save_csd_memory", memory)
+    fn = "save_csd_memory"
+    check_memory(fn, memory)
+    path = os.path.abspath(path)
+    if os.path.lexists(path):
+        if not is_saved_memory(path):
+            what = "a file" if os.path.isfile(path) else "a link" if os.path.islink(path) else \
+                "a directory that is not a saved CSD memory"
+            raise FileExistsError(f"{fn}: {path} exists and is {what}; refusing to replace it "
+                                  "(choose a new path; nothing was written)")
+        if not overwrite:
+            raise FileExistsError(f"{fn}: a saved CSD memory exists at {path}; pass overwrite=True to replace it")
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
     stored = memory.to_dict()
     pairs_P2 = np.asarray(list(stored), np.int32).reshape(-1, 2)
     counts_P = np.asarray(list(stored.values()), np.int32)
     if not len(pairs_P2):  # orbax writes no zero-size array; one pair of count 0 stores nothing
         pairs_P2, counts_P = np.zeros((1, 2), np.int32), np.zeros((1,), np.int32)
     tree = {"pairs": pairs_P2, "counts": counts_P, "capacity": np.asarray(memory.capacity, np.int32)}
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.abspath(path), tree, force=True)
-    ckptr.wait_until_finished()
+    tmp = os.path.join(parent, f".{name}.tmp{os.getpid()}")
+    old = os.path.join(parent, f".{name}.old{os.getpid()}")
+    try:
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(tmp, tree)
+        ckptr.wait_until_finished()
+        ckptr.close()
+        with open(os.path.join(tmp, _MARKER), "w") as f:
+            json.dump({"format": "specjax-csd-memory", "version": 1, "pairs": int(len(stored))}, f)
+        if os.path.lexists(path):
+            os.replace(path, old)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.isdir(old) and not os.path.lexists(path):
+                os.replace(old, path)  # put the previous memory back
+            raise
+    finally:  # only our own temporaries are removed
+        for d in (tmp, old):
+            if os.path.isdir(d):
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def load_csd_memory(path, capacity: int | None = None, vocab_size: int | None = None) -> CSDMemory:

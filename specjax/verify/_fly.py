@@ -74,7 +74,7 @@ def fly(draft_tokens, target_logits, *, theta=0.3, window=6, entropy="normalized
         stats_T = _sampling.tempered_stats(d_K, L_RV, temperature)
         ex_K = _sampling.sampling_flags(ku, d_K, stats_T, q_KV, k)
     h_K = _common.entropy_of(stats, entropy)[:K]
-    loose_K = loose_flags(ex_K, h_K, theta=theta, window=window, rule=rule, k=k)
+    loose_K = loose_flags(ex_K, h_K, theta=theta, window=window, rule=rule, k=k) & (stats.argmax[:K] >= 0)
     n = _common.accepted_count(ex_K | loose_K)
     if temperature == 0:
         next_token = stats.argmax[n]

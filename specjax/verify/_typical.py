@@ -5,13 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax import sampling
 from specjax.verify import _common, _greedy, _sampling
 from specjax.verify._common import Verdict
 
 
 def check_options(fn: str, *, epsilon, delta) -> None:
-    _common.check_number(fn, "epsilon", epsilon)
-    _common.check_number(fn, "delta", delta)
+    _common.check_number(fn, "epsilon", epsilon, low=0)
+    _common.check_number(fn, "delta", delta, low=0)
 
 
 def typical(draft_tokens, target_logits, key, *, epsilon=0.09, delta=0.3, temperature=1.0,
@@ -33,7 +34,8 @@ def typical(draft_tokens, target_logits, key, *, epsilon=0.09, delta=0.3, temper
     threshold_K = jnp.minimum(epsilon, delta * jnp.exp(-stats_T.entropy[:K]))
     n = _common.accepted_count((p_d_K > threshold_K) & _common.valid_mask(K, k))
     _, kr = jax.random.split(_common.check_key(fn, key))
-    next_token = jax.random.categorical(kr, _common.f32(L_RV[n]) / temperature - stats_T.lse[n]).astype(jnp.int32)
+    next_token = jax.random.categorical(kr, sampling.tempered(L_RV[n], temperature) - stats_T.lse[n]).astype(jnp.int32)
+    next_token = jnp.where(stats_T.argmax[n] >= 0, next_token, _common.INVALID_TOKEN)
     # "Loose" is measured against the untempered argmax, as docs/rules.md defines ex.
     ex_K = _common.exact_flags(d_K, _common.row_stats(L_RV, _common.padded(d_K)).argmax, k)
     return Verdict(n, next_token, _common.count_before(~ex_K, n))

@@ -1,0 +1,125 @@
+"""Output files of the binaries: checked before any work, written whole, and an interrupt exits promptly.
+
+    _paths.check_output("output", path)                 # a file to be written (--output, --csv, ...)
+    _paths.check_output("output_dir", path, dir=True)   # a directory to be created or filled
+    _paths.write_text(path, text)                       # atomic: the old file or the new one, never half
+    _paths.run(main)                                    # app.run(main), plus a prompt exit on Ctrl-C
+
+Why `run`: a generation is one compiled XLA program. Ctrl-C raises
+KeyboardInterrupt in the main thread at once, but the program keeps running on
+XLA's threads, and the interpreter's exit (jax's teardown of its backend) waits
+for it to finish: minutes for a long generation. `run` ends the process at the
+KeyboardInterrupt with status 130 without that wait, after removing the
+temporaries of unfinished atomic writes. For a main thread stuck in a C call
+that never returns to Python, a helper thread watches SIGINT
+(`signal.set_wakeup_fd`) and does the same after a second. Files written before
+are complete; a file being written is absent (its previous version, if any, is
+kept). A SIGINT that the parent set to be ignored (a background job of a
+script) stays ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import sys
+import tempfile
+import threading
+
+from absl import app
+
+_PENDING: set[str] = set()  # temporaries of atomic writes in progress
+_GRACE_S = 1.0  # how long the main thread gets to raise KeyboardInterrupt itself
+
+
+def check_output(flag: str, path, *, dir: bool = False) -> None:  # noqa: A002 (the flag's wording)
+    """Raises app.UsageError naming --flag unless `path` can be written as a file (or created/filled as a
+    directory with dir=True): not a directory where a file is needed or the reverse, not below a file,
+    and its directory (or nearest existing ancestor) accepts a new file. None or "" is not checked."""
+    if path is None or str(path) == "":
+        return
+    p = os.path.abspath(os.fspath(path))
+    where = f"--{flag} {path}"
+    if os.path.isdir(p) and not dir:
+        raise app.UsageError(f"{where}: is a directory; a file path is needed")
+    if os.path.lexists(p) and not os.path.isdir(p) and dir:
+        raise app.UsageError(f"{where}: is a file; a directory is needed")
+    probe = p if os.path.isdir(p) else os.path.dirname(p)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise app.UsageError(f"{where}: lies below {probe}, which is a file, not a directory")
+    try:  # a real write (os.access says yes to root and knows nothing of read-only mounts)
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise app.UsageError(f"{where}: cannot write in {probe}: {e.strerror or e}") from None
+
+
+@contextlib.contextmanager
+def atomic_open(path, mode: str = "w", **kwargs):
+    """open() for writing into a temporary beside `path` that replaces it only when the block completes."""
+    path = os.path.abspath(os.fspath(path))
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    _PENDING.add(tmp)
+    try:
+        with os.fdopen(fd, mode, **kwargs) as f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        _PENDING.discard(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def write_text(path, text: str) -> None:
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _exit_interrupted() -> None:
+    for tmp in list(_PENDING):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        print("[specjax] interrupted: exiting now (files written before are complete; none is half-written)",
+              file=sys.stderr, flush=True)
+    os._exit(130)  # 128 + SIGINT, as a shell reports it; skips waiting for a running XLA program
+
+
+def _watch(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        if signal.SIGINT in data:
+            threading.Timer(_GRACE_S, _exit_interrupted).start()
+
+
+def exit_promptly_on_interrupt() -> None:
+    """From the main thread: a SIGINT ends the process within about a second, even inside XLA."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(r,), daemon=True, name="specjax-sigint").start()
+
+
+def run(main) -> None:
+    """absl's app.run(main) with `exit_promptly_on_interrupt`."""
+
+    @functools.wraps(main)
+    def wrapped(argv):
+        try:
+            return main(argv)
+        except KeyboardInterrupt:
+            _exit_interrupted()
+
+    exit_promptly_on_interrupt()
+    app.run(wrapped)

@@ -1,0 +1,112 @@
+"""The converted-parameter cache is used only when intact: a flipped byte in any of its files,
+invalid metadata or a missing file means one warning and a rebuild from the source checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import models
+from specjax.models import model as model_lib
+
+from test_models import _save_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_hf")
+    _save_tiny_hf("llama-gqa-tied", path)
+    return path
+
+
+def _load(path, caplog):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        m = models.load(path)
+    return m, [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _cache(tmp_path):
+    (ckpt,) = [p for p in (tmp_path / "params").iterdir() if not p.name.count(".tmp")]
+    return ckpt
+
+
+def test_every_cache_file_is_checked_and_a_damaged_cache_rebuilt(tiny_dir, tmp_path, monkeypatch, caplog, capfd):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    fresh, _ = _load(tiny_dir, caplog)
+    tokens = np.array([[1, 5, 9, 200]])
+    want = np.asarray(fresh.logits(tokens))
+    ckpt = _cache(tmp_path)
+    files = sorted(f.relative_to(ckpt) for f in ckpt.rglob("*") if f.is_file())
+    kinds = {f.name if "/d/" not in str(f) else "data" for f in files}
+    assert {"data", "config.json", "quantized.json", "manifest.json", "_METADATA"} <= kinds, kinds
+    for i in range(len(files)):  # data files get new names at each save: list them again
+        assert _load(tiny_dir, caplog)[0].load_source == "orbax-cache"
+        rel = sorted(f.relative_to(ckpt) for f in ckpt.rglob("*") if f.is_file())[i]
+        f = ckpt / rel
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x01  # one flipped bit
+        f.write_bytes(bytes(data))
+        m, warnings = _load(tiny_dir, caplog)
+        assert m.load_source == "converted", rel
+        assert len(warnings) == 1 and "failed its check" in warnings[0] and "rebuilding" in warnings[0], warnings
+        np.testing.assert_array_equal(np.asarray(m.logits(tokens)), want)
+    os.unlink(next(ckpt.rglob("d/*")))  # a deleted data file
+    m, warnings = _load(tiny_dir, caplog)
+    assert m.load_source == "converted" and "manifest" in warnings[0]
+    assert "Event loop is closed" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("metadata", ["[]", '{"/layers/wq": [64, 8, 8]}', '{"/embed": "x"}', "not json"])
+def test_invalid_metadata_with_a_matching_manifest_is_rebuilt(metadata, tiny_dir, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    _load(tiny_dir, caplog)
+    ckpt = _cache(tmp_path)
+    (ckpt / "quantized.json").write_text(metadata)
+    # re-signed, so that only the metadata check can catch it
+    (ckpt / "manifest.json").write_text(json.dumps({"version": 1, "sha256": model_lib._file_hashes(ckpt)}))
+    with pytest.raises(model_lib.CacheError):
+        model_lib._restore(ckpt, models.load(tiny_dir, cache=False).config)
+    m, warnings = _load(tiny_dir, caplog)
+    assert m.load_source == "converted" and len(warnings) == 1
+    assert _load(tiny_dir, caplog)[0].load_source == "orbax-cache"  # and the rebuilt cache is used
+
+
+def test_stale_temporaries_of_a_killed_save_are_removed(tiny_dir, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    _load(tiny_dir, caplog)
+    ckpt = _cache(tmp_path)
+    dead = ckpt.with_name(ckpt.name + ".tmp99999999")  # no such process
+    alive = ckpt.with_name(ckpt.name + f".tmp{os.getppid()}")  # a live process may still be saving
+    for d in (dead, alive):
+        (d / "params").mkdir(parents=True)
+        (d / "params" / "blob").write_bytes(b"x" * 1000)
+    m, warnings = _load(tiny_dir, caplog)
+    assert m.load_source == "orbax-cache"
+    assert not dead.exists() and alive.exists()
+    assert any("interrupted save" in w for w in warnings)
+
+
+def test_quantized_cache_with_emptied_metadata_is_refused(tiny_dir, tmp_path):
+    """quantized.json of {} or [] for a cache that holds block-quantized layers (a GGUF's)."""
+    from specjax.models import quant
+
+    loaded = models.load(tiny_dir, cache=False)
+    config, params = loaded.config, jax.tree.map(np.asarray, loaded.params)
+    L, D, H, Dh = params["layers"]["wq"].shape
+    params["layers"]["wq"] = quant.BlockQuant(np.ones((L, D // 32, 32, H * Dh), np.int8),
+                                              np.ones((L, D // 32, 1, H * Dh), np.float32), None, (D, H, Dh))
+    ckpt = tmp_path / "q"
+    model_lib._save(ckpt, config, params)
+    restored = model_lib._restore(ckpt, config)
+    np.testing.assert_array_equal(restored["layers"]["wq"].dequantize(), np.ones((L, D, H, Dh), np.float32))
+    for metadata in ("{}", "[]"):
+        (ckpt / "quantized.json").write_text(metadata)
+        (ckpt / "manifest.json").write_text(json.dumps({"version": 1, "sha256": model_lib._file_hashes(ckpt)}))
+        with pytest.raises(model_lib.CacheError):
+            model_lib._restore(ckpt, config)
