@@ -161,3 +161,22 @@ def test_smollm2_embedding_and_head_keep_the_files_blocks(smollm2):
     assert isinstance(embed, quant.BlockQuant) and embed.codes.dtype == jnp.int8
     assert embed.shape == (576, 49152)
     assert embed.nbytes < 0.3 * 576 * 49152 * 4
+
+
+def test_head_is_one_dot_off_the_cpu_or_on_a_vocabulary_split_mesh():
+    """The chunk scan is for XLA:CPU only; elsewhere (and when GSPMD splits V) one dot that a
+    mesh can shard, with the same values as the plain product of the dequantized table."""
+    assert quant.default_head_chunk("cpu") == quant.VOCAB_CHUNK
+    assert quant.default_head_chunk("cpu", vocab_sharded=True) == 0
+    assert quant.default_head_chunk("tpu") == quant.default_head_chunk("gpu") == 0
+    bq, table = _table(T.Q8_0, 64, 100)
+    x = jax.random.normal(jax.random.PRNGKey(2), (1, 2, 64))
+    whole = jax.jit(lambda x, w: quant.matmul_columns(x, w, chunk=0))(x, bq)
+    plain = jnp.einsum("btd,dv->btv", x, jnp.asarray(table), preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(whole), np.asarray(plain))
+
+    def has_scan(chunk):
+        with quant.head_chunks(chunk):
+            return "scan" in str(jax.make_jaxpr(lambda x: quant.matmul_columns(x, bq))(x))
+
+    assert has_scan(32) and not has_scan(0)
