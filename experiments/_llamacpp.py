@@ -61,8 +61,11 @@ class Peer:
     k: int = 8
     draft_model: str | None = None  # GGUF path of a draft model (llama-speculative)
     ignore_eos: bool = True
+    ubatch: int | None = None  # llama-bench's -ub (physical batch); None: llama.cpp's default
 
     def __post_init__(self):
+        if self.ubatch is not None and self.ubatch <= 0:
+            raise ValueError(f"llama.cpp peer: ubatch must be positive, got {self.ubatch}")
         for name in ("max_new_tokens", "threads", "k"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"llama.cpp peer: {name} must be positive, got {getattr(self, name)}")
@@ -87,7 +90,7 @@ class Peer:
 
     def bench_args(self, binary: str, depth: int) -> list[str]:
         return [binary, "-m", self.model, "-p", "0", "-n", str(self.max_new_tokens), "-d", str(depth),
-                "-r", "1", "-t", str(self.threads), "-o", "json"]
+                "-r", "1", "-t", str(self.threads), "-o", "json"] + (["-ub", str(self.ubatch)] if self.ubatch else [])
 
     def _sampling(self) -> list[str]:
         return ["--temp", "0", "--top-k", "1", "-n", str(self.max_new_tokens), "-t", str(self.threads),

@@ -42,8 +42,11 @@ _PROMPT = flags.DEFINE_string("prompt", "Write a Python function that returns th
 _PEER = flags.DEFINE_boolean("transformers", True, "Run transformers beside specjax.")
 _PEERS = flags.DEFINE_multi_enum("peer", [], ["llamacpp"], "Further peers: llamacpp (llama-bench on the "
                                  "same GGUF at the prompt's depth).")
-_LLAMACPP_DIR = flags.DEFINE_string("llamacpp_dir", "", "Directory of llama.cpp's binaries (scripts/"
-                                    "build_llamacpp.sh); empty: on PATH.")
+_LLAMACPP_DIR = flags.DEFINE_list("llamacpp_dir", [], "Directories of llama.cpp's binaries (scripts/"
+                                  "build_llamacpp.sh); several: one row per build (e.g. with and without "
+                                  "--amx), interleaved; empty: on PATH.")
+_UBATCH = flags.DEFINE_integer("llamacpp_ubatch", 0, "llama-bench's -ub (physical batch) when > 0: 1 makes "
+                               "a build whose multi-token kernels crash still decode at depth.")
 _THREADS = flags.DEFINE_integer("llamacpp_threads", os.cpu_count() or 1, "llama.cpp's -t.")
 _COMPARE_HEAD = flags.DEFINE_boolean("compare_head", False, "Also run specjax with the embedding / LM head "
                                      "expanded to float32 (same values), interleaved.")
@@ -72,13 +75,16 @@ def main(argv):
 
     if _NEW.value <= 0 or _REPS.value <= 0:
         raise app.UsageError("--max_new_tokens and --reps must be positive")
-    llama = None
+    llamas = {}  # row name -> peer, one per llama.cpp build
     if "llamacpp" in _PEERS.value:  # checked before anything loads
+        dirs = _LLAMACPP_DIR.value or [None]
         try:
-            llama = _llamacpp.Peer(_LLAMACPP_DIR.value or None, str(models.presets.resolve(_MODEL.value)),
-                                   _NEW.value, _THREADS.value)
-            llama.check(["llama-bench"])
-        except (_llamacpp.MissingBinaryError, models.presets.PresetError) as e:
+            for i, d in enumerate(dirs):
+                name = "llama.cpp" if len(dirs) == 1 else f"llama.cpp:{i + 1}"
+                llamas[name] = _llamacpp.Peer(d, str(models.presets.resolve(_MODEL.value)), _NEW.value,
+                                              _THREADS.value, ubatch=_UBATCH.value or None)
+                llamas[name].check(["llama-bench"])
+        except (_llamacpp.MissingBinaryError, models.presets.PresetError, ValueError) as e:
             raise app.UsageError(str(e)) from None
     m = models.load(_MODEL.value)
     ids = m.tokenizer.chat_prompt_ids(_PROMPT.value)
@@ -114,12 +120,12 @@ def main(argv):
     weight_bytes = {name: quant.param_bytes(v.params) for name, v in variants.items()}
     if peer is not None:
         weight_bytes["transformers"] = peer_bytes
-    if llama is not None:  # the file's own bytes: what llama.cpp reads per token
-        weight_bytes["llama.cpp"] = os.path.getsize(llama.model)
+    for name, llama in llamas.items():  # the file's own bytes: what llama.cpp reads per token
+        weight_bytes[name] = os.path.getsize(llama.model)
     bandwidth = copy_bandwidth_gbs()
     loads = [os.getloadavg()]
-    engines = [*variants] + (["transformers"] if peer is not None else []) + (["llama.cpp"] if llama else [])
-    times = {(who, b): [] for who in engines for b in batches if who != "llama.cpp" or b == 1}
+    engines = [*variants] + (["transformers"] if peer is not None else []) + list(llamas)
+    times = {(who, b): [] for who in engines for b in batches if who not in llamas or b == 1}
     first_tokens = {}
     for rep in range(_REPS.value):
         order = engines if rep % 2 == 0 else engines[::-1]
@@ -127,8 +133,8 @@ def main(argv):
             for who in order:
                 if (who, b) not in times:
                     continue
-                if who == "llama.cpp":  # timed by llama.cpp itself: generation at the prompt's depth
-                    r = llama.plain(len(ids))
+                if who in llamas:  # timed by llama.cpp itself: generation at the prompt's depth
+                    r = llamas[who].plain(len(ids))
                     n, dt = r.tokens, r.seconds
                 else:
                     t = time.perf_counter()
@@ -149,6 +155,8 @@ def main(argv):
           + "; ".join("/".join(f"{x:.1f}" for x in la) for la in loads))
     print(f"model: {_MODEL.value}; prompt {len(ids)} tokens; {_NEW.value} new tokens; "
           f"{_REPS.value} interleaved repetitions; copy bandwidth {bandwidth:.1f} GB/s (read+write)")
+    for name, llama in llamas.items():
+        print(f"{name}: {llama.directory or 'binaries on PATH'}" + (f", -ub {llama.ubatch}" if llama.ubatch else ""))
     print("weight bytes per token: " + ", ".join(f"{who} {nb / 1e6:.0f} MB" for who, nb in weight_bytes.items())
           + " (specjax: block-quantized matrices; float32 head: embedding/head expanded; transformers: float32; "
           "llama.cpp: the GGUF file)")

@@ -8,6 +8,7 @@
 #   bash scripts/build_llamacpp.sh --dir DIR        # into DIR
 #   bash scripts/build_llamacpp.sh --jobs 4         # parallel compile jobs (default 2)
 #   bash scripts/build_llamacpp.sh --version 11434.0.0
+#   bash scripts/build_llamacpp.sh --amx            # keep ggml's AMX kernels (off by default, see below)
 #
 # The binaries end up in DIR/build/bin; pass that directory as --llamacpp_dir.
 set -euo pipefail
@@ -15,12 +16,14 @@ set -euo pipefail
 root="${SPECJAX_CACHE:-$HOME/.cache/specjax}/llama.cpp"
 jobs=2
 version=""
+amx=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dir) root="$2"; shift 2 ;;
     --jobs) jobs="$2"; shift 2 ;;
     --version) version="==$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    --amx) amx=1; shift ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "build_llamacpp.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -42,8 +45,16 @@ src="$root/$name/llama.cpp"
 [[ -f "$src/CMakeLists.txt" ]] || { echo "build_llamacpp.sh: no llama.cpp/CMakeLists.txt in $sdist" >&2; exit 1; }
 
 cd "$src"
+# -march=native turns on ggml's AMX matmul on CPUs that report AMX; in virtual machines that
+# report the flags without granting the tile state (seen on 2-core Sapphire Rapids VMs) it
+# crashes (SIGSEGV in ggml_backend_amx_mul_mat) on every multi-token batch. AMX only speeds
+# up prompt processing, not the one-token decode we compare, so it is off unless --amx.
+flags=""
+if [[ "$amx" == 0 ]] && echo 'int main(){}' | c++ -x c++ -mno-amx-tile -fsyntax-only - 2>/dev/null; then
+  flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
 nice -n 10 cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_C_FLAGS="$flags" -DCMAKE_CXX_FLAGS="$flags"
 nice -n 10 cmake --build build -j "$jobs" \
   --target llama-bench llama-completion llama-lookup llama-speculative
 

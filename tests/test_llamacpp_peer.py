@@ -98,6 +98,20 @@ def test_command_lines(gguf):
     assert spec[spec.index("-md") + 1] == gguf
     stop = _llamacpp.Peer(None, gguf, 128, 2, ignore_eos=False)
     assert "--ignore-eos" not in stop.lookup_args("llama-lookup", "p.txt")
+    assert "-ub" not in bench
+    one = _llamacpp.Peer(None, gguf, 128, 2, ubatch=1).bench_args("llama-bench", 164)
+    assert one[one.index("-ub") + 1] == "1"
+    with pytest.raises(ValueError, match="ubatch must be positive"):
+        _llamacpp.Peer(None, gguf, 128, 2, ubatch=0)
+
+
+def test_build_script_turns_amx_off_unless_asked():
+    """ggml's AMX matmul crashes on multi-token batches in VMs that report AMX (SIGSEGV seen here)."""
+    script = (EXP.parent / "scripts" / "build_llamacpp.sh").read_text()
+    assert "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in script and "--amx)" in script
+    out = subprocess.run(["bash", str(EXP.parent / "scripts" / "build_llamacpp.sh"), "--bogus"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown argument --bogus" in out.stderr
 
 
 def test_runs_read_the_tools_output(tmp_path, gguf):
