@@ -48,6 +48,8 @@ _LLAMACPP_DIR = flags.DEFINE_list("llamacpp_dir", [], "Directories of llama.cpp'
 _UBATCH = flags.DEFINE_integer("llamacpp_ubatch", 0, "llama-bench's -ub (physical batch) when > 0: 1 makes "
                                "a build whose multi-token kernels crash still decode at depth.")
 _THREADS = flags.DEFINE_integer("llamacpp_threads", os.cpu_count() or 1, "llama.cpp's -t.")
+_LAYERS = flags.DEFINE_multi_enum("layers", ["stacked"], ["stacked", "unrolled"], "specjax rows per layer "
+                                  "layout (Engine(layers=...)); repeat the flag for several, interleaved.")
 _COMPARE_HEAD = flags.DEFINE_boolean("compare_head", False, "Also run specjax with the embedding / LM head "
                                      "expanded to float32 (same values), interleaved.")
 
@@ -89,11 +91,13 @@ def main(argv):
     m = models.load(_MODEL.value)
     ids = m.tokenizer.chat_prompt_ids(_PROMPT.value)
     batches = [1, 8] if _BATCH8.value else [1]
-    variants = {"specjax": m}
+    variants = {}  # row name -> (model, layer layout); "specjax" is the first layout asked for
+    for i, layers in enumerate(dict.fromkeys(_LAYERS.value)):
+        variants["specjax" if i == 0 else f"specjax ({layers} layers)"] = (m, layers)
     if _COMPARE_HEAD.value:
-        variants["specjax (float32 head)"] = float_head(m)
-    ours = {(name, b): specjax.Engine(v, max_new_tokens=_NEW.value, eos_ids=())
-            for name, v in variants.items() for b in batches}
+        variants["specjax (float32 head)"] = (float_head(m), _LAYERS.value[0])
+    ours = {(name, b): specjax.Engine(v, max_new_tokens=_NEW.value, eos_ids=(), layers=layers)
+            for name, (v, layers) in variants.items() for b in batches}
     for engine in ours.values():  # compile outside the timings
         engine.generate([ids] * engine_batch(engine, ours))
 
@@ -117,7 +121,7 @@ def main(argv):
 
         run_peer(1)  # warm-up
 
-    weight_bytes = {name: quant.param_bytes(v.params) for name, v in variants.items()}
+    weight_bytes = {name: quant.param_bytes(ours[(name, 1)].params.target) for name in variants}
     if peer is not None:
         weight_bytes["transformers"] = peer_bytes
     for name, llama in llamas.items():  # the file's own bytes: what llama.cpp reads per token

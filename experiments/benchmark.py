@@ -64,6 +64,8 @@ _CSV = flags.DEFINE_string("csv", "benchmark.csv", "Where to write the per-confi
 _BUCKET = flags.DEFINE_integer("prompt_bucket", 64, "Prompts are padded to a multiple of this many tokens "
                                "(Engine's prompt_bucket): one program per engine and bucket, compiled before "
                                "the timings.")
+_LAYERS = flags.DEFINE_enum("layers", "stacked", ["stacked", "unrolled"], "Layer layout of every specjax "
+                            "engine (Engine(layers=...); unrolled: one device, float weights, longer compiles).")
 _MESH = flags.DEFINE_string("mesh", "", "DATA,MODEL: run every engine on a jax.make_mesh((DATA, MODEL), "
                             "('data', 'model')) mesh (batch 1: DATA must be 1); empty: one device. The "
                             "per-device bytes of parameters and caches are printed either way.")
@@ -115,6 +117,8 @@ def main(argv):
     options = {m: parse_options(m, f.value) for m, f in _OPTIONS.items()}
     llama_peer = make_llamacpp_peer(_PEER.value, _MODEL.value, _DRAFTS.value)  # before any loading
     mesh = make_mesh(_MESH.value)
+    if mesh is not None and _LAYERS.value == "unrolled":
+        raise app.UsageError("--layers=unrolled runs on one device; drop --mesh or use --layers=stacked")
     started = time.perf_counter()
     target = models.load(_MODEL.value)
     tok = target.tokenizer
@@ -127,7 +131,7 @@ def main(argv):
     if llama_peer:
         _log(f"llama.cpp peer: {', '.join(llama_peer)}; prompt depths {[len(ids) for _, ids in prompts]}")
     eos = None if _EOS.value else ()
-    baseline = specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=eos, mesh=mesh,
+    baseline = specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=eos, mesh=mesh, layers=_LAYERS.value,
                               prompt_bucket=_BUCKET.value)
     configs = {}
     for spec in _DRAFTS.value:
@@ -139,7 +143,8 @@ def main(argv):
                 rule, opts = "fly", {**options["fly"], **PUBLISHED_FLY}
             configs[(label, method)] = specjax.Engine(
                 target, draft=draft, method=rule, k=_K.value, max_new_tokens=_NEW.value, temperature=T,
-                seed=_SEED.value, eos_ids=eos, mesh=mesh, prompt_bucket=_BUCKET.value, **opts)
+                seed=_SEED.value, eos_ids=eos, mesh=mesh, prompt_bucket=_BUCKET.value, layers=_LAYERS.value,
+                **opts)
 
     peer = _make_peer(target, _DRAFTS.value) if "transformers" in _PEER.value else {}
     _log(f"compiling {1 + len(configs)} programs over {len(prompts)} prompts ...")
@@ -205,7 +210,7 @@ def main(argv):
     print(f"target {_MODEL.value}; {len(prompts)} prompts ({', '.join(_DATASETS.value)}"
           f"{', HumanEval as raw completion' if 'humaneval' in _DATASETS.value and not _CHAT_HE.value else ''}); "
           f"K={_K.value}; "
-          f"max_new_tokens={_NEW.value}; stop_at_eos={_EOS.value}; batch 1; options {options}")
+          f"max_new_tokens={_NEW.value}; stop_at_eos={_EOS.value}; batch 1; layers {_LAYERS.value}; options {options}")
     print(f"baseline drift (second/first run of each prompt): median {statistics.median(drift):.3f}, "
           f"range {min(drift):.3f}-{max(drift):.3f}; wall time {time.perf_counter() - started:.0f}s\n")
     print_memory(baseline, configs, max(len(ids) for _, ids in prompts) + _NEW.value + _K.value + 1)

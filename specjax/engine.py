@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from specjax import _checks, compile_cache, drafters, loop, metrics, sharding, verify
+from specjax.models import llama
 from specjax.models.model import Model
 
 _CACHE_BUCKET = 64
@@ -60,6 +61,11 @@ class Engine:
     longest prompt is padded to, or None for a geometric ladder of widths (`prompt_width`;
     the program's shapes follow from the width, so fewer widths compile fewer programs).
     Compiled programs are kept on disk (`specjax.compile_cache`).
+    layers: "stacked" (a scan over layers: compile time independent of depth, block-quantized
+    weights kept as codes) or "unrolled" (one device only: a loop of layers, each with its own
+    float arrays; on XLA:CPU measurably faster per token, since the scan copies every layer's
+    weights and dequantizes codes into a buffer before each dot; it compiles for longer and
+    holds float weights; the logits agree to an ulp or so; `llama.unstack_layers`).
     mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a
     `sharding.MeshConfig` (rules, attention "auto"/"replicate"/"pad", draft "shard"/"replicate");
     params are placed once, caches and logits are constrained inside the program, and the
@@ -69,7 +75,8 @@ class Engine:
     def __init__(self, target: Model, draft=None, method: str | verify.Rule = "greedy", k: int = 8,
                  max_new_tokens: int = 128, max_len: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, mesh=None, eos_ids: Sequence[int] | None = None,
-                 pld_match: str = "earliest", prompt_bucket: int | None = None, **rule_options):
+                 pld_match: str = "earliest", prompt_bucket: int | None = None, layers: str = "stacked",
+                 **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
         _checks.engine_args(temperature=temperature, top_p=top_p, seed=seed, eos_ids=eos_ids)  # NaN, "12", 1.5
@@ -90,6 +97,12 @@ class Engine:
             raise ValueError(f"prompt_bucket must be a positive integer or None, got {prompt_bucket!r}")
         if pld_match not in ("earliest", "latest"):
             raise ValueError(f"pld_match must be 'earliest' or 'latest', got {pld_match!r}")
+        if layers not in ("stacked", "unrolled"):
+            raise ValueError(f"layers must be 'stacked' or 'unrolled', got {layers!r}")
+        if layers == "unrolled" and mesh is not None:
+            raise ValueError("layers='unrolled' runs on one device; on a mesh the stacked layers are sharded "
+                             "(pass mesh=None or layers='stacked')")
+        self.layers = layers
         self.target, self.k = target, int(k)
         self.prompt_bucket = None if prompt_bucket is None else int(prompt_bucket)
         self.max_new_tokens, self.max_len = int(max_new_tokens), max_len
@@ -108,6 +121,11 @@ class Engine:
         self.layout = None if mesh_config is None else sharding.make_layout(
             mesh_config, target.config, getattr(getattr(self.drafter, "model", self.drafter), "config", None))
         self.params = loop.Params(target=target.params, draft=draft_params)
+        if layers == "unrolled":  # the draft model too (prompt lookup has no params)
+            unroll = lambda p, dtype: llama.unstack_layers(p, dtype) if isinstance(p, dict) and "layers" in p else p  # noqa: E731
+            draft_dtype = getattr(getattr(self.drafter, "model", self.drafter), "dtype", target.dtype)
+            self.params = loop.Params(target=unroll(target.params, target.dtype),
+                                      draft=unroll(draft_params, draft_dtype))
         if self.layout is not None:
             self.params = loop.Params(
                 target=sharding.place(target.params, self.layout.param_shardings(target.params)),

@@ -121,6 +121,7 @@ def test_prompt_longer_than_the_cache(tiny):
     (dict(method="nope"), "unknown method 'nope'"),
     (dict(top_p=0.0), "top_p"),
     (dict(temperature=-1.0), "temperature"),
+    (dict(layers="flat"), "layers must be 'stacked' or 'unrolled'"),
 ])
 def test_bad_settings(tiny, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -174,3 +175,46 @@ def test_target_only_takes_the_greedy_rule_object(tiny):
     assert by_object.generate(PROMPTS).tokens == specjax.Engine(tiny, max_new_tokens=5).generate(PROMPTS).tokens
     with pytest.raises(ValueError, match="method 'fly' needs a draft"):
         specjax.Engine(tiny, method=verify.Fly(), max_new_tokens=5)
+
+
+def _quantized_layers(model):
+    """`model` with its MLP matrices block-quantized (Q8_0 codes of the same float values)."""
+    import gguf
+
+    from specjax.models import quant
+
+    layers = dict(model.params["layers"])
+    for name in ("w_gate", "w_up"):
+        w = np.asarray(layers[name])  # [N, D, F]; GGUF blocks run along D
+        blocks = [quant.extract_codes(gguf.quants.quantize(np.ascontiguousarray(w[i].T), gguf.GGMLQuantizationType.Q8_0),
+                                      gguf.GGMLQuantizationType.Q8_0).as_linear(w.shape[1:]) for i in range(w.shape[0])]
+        layers[name] = quant.stack_layers(blocks)
+    return model.with_params({**model.params, "layers": layers})
+
+
+@pytest.mark.parametrize("draft, method", [(None, "greedy"), ("pld", "fly"), ("model", "exact")])
+def test_unrolled_layers_give_the_stacked_tokens(tiny, draft, method):
+    """layers="unrolled": the same tokens and statistics, block-quantized layers read as float arrays."""
+    from specjax.models import llama, quant
+
+    target = _quantized_layers(tiny)
+    draft = random_model(dataclasses.replace(TINY, num_layers=1), seed=3) if draft == "model" else draft
+    settings = dict(draft=draft, method=method, k=3, max_new_tokens=6, eos_ids=())
+    stacked = specjax.Engine(target, **settings)
+    unrolled = specjax.Engine(target, **settings, layers="unrolled")
+    params = unrolled.params.target
+    assert llama.is_unrolled(params) and "layers" not in params and "layer_1" in params
+    assert not any(isinstance(x, quant.BlockQuant) for x in jax.tree.leaves(
+        params, is_leaf=lambda x: isinstance(x, quant.BlockQuant)))
+    a, b = stacked.generate(PROMPTS), unrolled.generate(PROMPTS)
+    assert a.tokens == b.tokens and a.stats == b.stats
+    logits = llama.forward(TINY, params, jnp.asarray([PROMPTS[0]]))
+    # the same weights' values; XLA fuses a loop of layers differently from a scan (an ulp or so)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(target.logits([PROMPTS[0]])), rtol=1e-5, atol=1e-6)
+    assert llama.unstack_layers(params) is params  # already unrolled
+
+
+def test_unrolled_layers_need_one_device(tiny):
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="runs on one device"):
+        specjax.Engine(tiny, layers="unrolled", mesh=mesh)

@@ -3,7 +3,9 @@
 The modules only define parameters and the computation; they are run as pure
 functions, `Transformer(config).apply({"params": params}, ...)`, inside jit.
 Layers are stacked on a leading axis and run with `nn.scan`, so compile time
-does not grow with depth and the KV cache is one array per K and V:
+does not grow with depth and the KV cache is one array per K and V (a tree of
+`unstack_layers` runs them in a Python loop instead, one float array per layer:
+faster on XLA:CPU, see there):
 
     cache_k_NBSGDh, cache_v_NBSGDh, lengths_B
 
@@ -137,6 +139,7 @@ class Transformer(nn.Module):
 
     config: Config
     dtype: Any = jnp.float32
+    unrolled: bool = False  # layers as `layer_0` .. `layer_{N-1}` (unstack_layers), a loop instead of a scan
 
     @nn.compact
     def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None, select_BJ=None):
@@ -151,11 +154,18 @@ class Transformer(nn.Module):
         else:
             embed_DV = embed_DV.astype(self.dtype)
             x_BTD = jnp.moveaxis(jnp.take(embed_DV, tokens_BT, axis=1), 0, -1)
-        layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(c, self.dtype, name="layers")
         cache_k, cache_v = cache_kv if cache_kv is not None else (None, None)
-        (x_BTD, cache_k, cache_v), _ = layers((x_BTD, cache_k, cache_v), jnp.arange(c.num_layers),
-                                              positions_BT, write_pos_BT)
+        if self.unrolled:
+            carry = (x_BTD, cache_k, cache_v)
+            for i in range(c.num_layers):
+                carry, _ = Block(c, self.dtype, name=f"layer_{i}")(carry, i, positions_BT, write_pos_BT)
+            x_BTD, cache_k, cache_v = carry
+        else:
+            layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                             in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(c, self.dtype,
+                                                                                           name="layers")
+            (x_BTD, cache_k, cache_v), _ = layers((x_BTD, cache_k, cache_v), jnp.arange(c.num_layers),
+                                                  positions_BT, write_pos_BT)
         if select_BJ is not None:  # only these positions need logits (prefill: each row's last)
             x_BTD = jnp.take_along_axis(x_BTD, select_BJ[:, :, None], axis=1)
         x_BTD = RMSNorm(c.rms_norm_eps, name="final_norm")(x_BTD)
@@ -174,7 +184,7 @@ def forward(config: Config, params, tokens_BT, *, dtype=jnp.float32):
     """Full causal forward without a cache: float32[B, T, V] at positions 0..T-1."""
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, _ = Transformer(config, dtype).apply({"params": params}, tokens_BT, positions_BT)
+    logits, _ = Transformer(config, dtype, is_unrolled(params)).apply({"params": params}, tokens_BT, positions_BT)
     return logits
 
 
@@ -189,9 +199,45 @@ def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=j
     """
     B, T = tokens_BT.shape
     positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    logits, (k, v) = Transformer(config, dtype).apply(
+    logits, (k, v) = Transformer(config, dtype, is_unrolled(params)).apply(
         {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT, select_BJ)
     return logits, KVCache(k, v, cache.lengths)
+
+
+def is_unrolled(params) -> bool:
+    """Whether `params` hold one tree per layer (`unstack_layers`) rather than stacked layers."""
+    return "layer_0" in params
+
+
+def unstack_layers(params, dtype=jnp.float32):
+    """`params` with the stacked `layers` split into `layer_0` .. `layer_{N-1}`; block-quantized
+    matrices become float arrays of `dtype`, the compute dtype (the values the forward computes
+    from the codes); float ones keep their dtype. XLA fuses a loop of layers differently from a
+    scan, so a logit may move by an ulp (SmolLM2's decode step: bit for bit the same).
+
+    Why: on XLA:CPU a scan over stacked weights copies each layer's slice into a new buffer before
+    its dot, and block codes are dequantized into a float buffer that the dot then reads (XLA:CPU
+    cannot fuse the two); separate float arrays are read by the dot where they lie. Measured on a
+    2-core Xeon (experiments/profile_step.py): SmolLM2-135M's decode step 1.4x faster. The cost:
+    compile time grows with depth, and the weights take float bytes (3.2x a Q4_1 file's codes).
+    """
+    if is_unrolled(params):
+        return params
+    dtype = jnp.dtype(dtype)
+
+    def layer(i):
+        def one(x):
+            if isinstance(x, quant.BlockQuant):
+                return quant.BlockQuant(x.codes[i], x.scale[i], None if x.offset is None else x.offset[i],
+                                        x.shape).dequantize(dtype)
+            return jnp.asarray(x[i])  # float weights keep the dtype they are stored in
+        return jax.tree.map(one, params["layers"], is_leaf=lambda x: isinstance(x, quant.BlockQuant))
+
+    n = jax.tree.leaves(params["layers"], is_leaf=lambda x: isinstance(x, quant.BlockQuant))[0]
+    n = (n.codes if isinstance(n, quant.BlockQuant) else n).shape[0]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    out.update({f"layer_{i}": jax.block_until_ready(layer(i)) for i in range(n)})
+    return out
 
 
 def init_params(config: Config, seed: int = 0, dtype=jnp.float32):

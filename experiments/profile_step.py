@@ -1,0 +1,177 @@
+r"""Where one decode step's time goes: XLA's own per-operation timings, and the weight paths side by side.
+
+One target-only step (B = 1, T = 1, a cache of --cache_len with --context tokens in it) is run
+under `jax.profiler`; the operations of the compiled program are summed by name from the trace
+and the largest are printed with their share of the step. Then the same step is timed for
+several ways of holding the weights, interleaved (the median of --reps calls each), with the
+logits compared bit for bit against the model as loaded:
+
+    stacked, as loaded    layers stacked on axis 0 and scanned (`llama.forward_cached`), block-
+                          quantized matrices kept as codes (what the engine runs)
+    stacked, float32      the same scan over float32 matrices
+    unrolled, float32     one float32 array per layer, a Python loop of layers (no scan)
+
+and, per [D, F] matrix of the model, the rate at which XLA:CPU turns stored weights into a
+matrix-vector product (weights per second): a float32 dot, and block codes dequantized and dotted.
+
+    python experiments/profile_step.py                          # SmolLM2-135M
+    python experiments/profile_step.py --model qwen2.5-coder-0.5b-instruct --top 15
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import tempfile
+import time
+
+from absl import app, flags
+
+try:  # imported as experiments.profile_step (tests) or run as a script (experiments/ on sys.path)
+    from experiments import _common as C
+except ImportError:
+    import _common as C
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf or HF directory.")
+_CONTEXT = flags.DEFINE_integer("context", 50, "Tokens already in the cache (the step's position).")
+_CACHE_LEN = flags.DEFINE_integer("cache_len", 256, "Cache length S.")
+_REPS = flags.DEFINE_integer("reps", 30, "Timed calls per variant (interleaved; medians are reported).")
+_TOP = flags.DEFINE_integer("top", 12, "Operations listed from the profile.")
+_VARIANTS = flags.DEFINE_boolean("variants", True, "Also time the float32 / unrolled variants.")
+
+
+def _median_ms(fn, args, reps):
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def profile_ops(fn, args, steps=10) -> list[tuple[str, float, float]]:
+    """(operation name, ms per step, calls per step) of the compiled program, largest first."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        for _ in range(steps):
+            jax.block_until_ready(fn(*args))
+        jax.profiler.stop_trace()
+        files = sorted(glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True))
+        if not files:
+            raise RuntimeError("the profiler wrote no trace")
+        with gzip.open(files[-1]) as f:
+            events = json.load(f)["traceEvents"]
+    total, calls = collections.Counter(), collections.Counter()
+    for e in events:  # the program's own operations (thunks); host-side Python frames start with "$"
+        name = e.get("name", "")
+        if e.get("ph") == "X" and not name.startswith("$") and "Thunk" not in name and "Execute" not in name \
+                and "PjitFunction" not in name:
+            total[name] += e["dur"] / 1e3
+            calls[name] += 1
+    return [(n, ms / steps, calls[n] / steps) for n, ms in total.most_common()]
+
+
+def unrolled_forward(config, params, layers, tokens_BT, cache):
+    """llama.forward_cached with one parameter tree per layer and a Python loop instead of the scan."""
+    import jax.numpy as jnp
+
+    from specjax.models import llama, quant
+
+    positions_BT = cache.lengths[:, None] + jnp.arange(tokens_BT.shape[1])[None]
+    embed = params["embed"]
+    if isinstance(embed, quant.BlockQuant):
+        x = quant.take_columns(embed, tokens_BT)
+    else:
+        x = jnp.moveaxis(jnp.take(embed, tokens_BT, axis=1), 0, -1)
+    k, v = cache.k, cache.v
+    for i, layer in enumerate(layers):
+        (x, k, v), _ = llama.Block(config, jnp.float32).apply({"params": layer}, (x, k, v), i, positions_BT,
+                                                            positions_BT)
+    x = llama.RMSNorm(config.rms_norm_eps).apply({"params": params["final_norm"]}, x)
+    head = embed if config.tie_embeddings else params["lm_head"]
+    return quant.matmul_columns(x, head)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    for f in (_CONTEXT, _CACHE_LEN, _REPS, _TOP):
+        if f.value <= 0:
+            raise app.UsageError(f"--{f.name} must be positive")
+    if _CONTEXT.value >= _CACHE_LEN.value:
+        raise app.UsageError("--context must be below --cache_len")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from specjax import models
+    from specjax.models import llama, quant
+
+    m = models.load(_MODEL.value)
+    c = m.config
+    is_q = lambda x: isinstance(x, quant.BlockQuant)  # noqa: E731
+    cache = llama.init_cache(c, 1, _CACHE_LEN.value, jnp.float32)._replace(
+        lengths=jnp.array([_CONTEXT.value], jnp.int32))
+    tokens = jnp.array([[5]], jnp.int32)
+    step = jax.jit(lambda p, t, cache: llama.forward_cached(c, p, t, cache)[0])
+
+    print(f"machine: {C.machine()}")
+    print(f"model: {_MODEL.value}; one decode step, B=1, T=1, position {_CONTEXT.value}, cache {_CACHE_LEN.value}; "
+          f"weight bytes {quant.param_bytes(m.params) / 1e6:.0f} MB")
+    ops = profile_ops(step, (m.params, tokens, cache))
+    step_ms = sum(ms for _, ms, _ in ops)
+    print(f"\nprofile of the engine's step (sum of operations {step_ms:.1f} ms per step under the profiler):\n")
+    print("| operation | ms per step | calls per step | share |")
+    print("|---|---|---|---|")
+    for name, ms, n in ops[:_TOP.value]:
+        print(f"| {name} | {ms:.2f} | {n:g} | {ms / step_ms:.0%} |")
+
+    if _VARIANTS.value:
+        f32 = lambda x: x.dequantize() if is_q(x) else x  # noqa: E731
+        float_params = jax.block_until_ready(jax.tree.map(f32, m.params, is_leaf=is_q))
+        layers = [jax.block_until_ready(jax.tree.map(lambda x, i=i: jnp.array(x[i]), float_params["layers"]))
+                  for i in range(c.num_layers)]
+        unrolled = jax.jit(lambda p, ls, t, cache: unrolled_forward(c, p, ls, t, cache))
+        variants = {"stacked, as loaded": (step, (m.params, tokens, cache)),
+                    "stacked, float32": (step, (float_params, tokens, cache)),
+                    "unrolled, float32": (unrolled, (float_params, layers, tokens, cache))}
+        ref = np.asarray(step(m.params, tokens, cache))
+        times = {name: [] for name in variants}
+        for _ in range(3):  # interleaved rounds
+            for name, (fn, args) in variants.items():
+                times[name].append(_median_ms(fn, args, _REPS.value))
+        print("\n| weights | ms per step (median) | tokens/s | logits equal to the engine's |")
+        print("|---|---|---|---|")
+        base = statistics.median(times["stacked, as loaded"])
+        for name, (fn, args) in variants.items():
+            ms = statistics.median(times[name])
+            same = bool(np.array_equal(np.asarray(fn(*args)), ref))
+            print(f"| {name} | {ms:.1f} ({base / ms:.2f}x) | {1e3 / ms:.1f} | {same} |")
+
+        w = m.params["layers"]["w_gate"]
+        x = jnp.ones((1, c.hidden_size), jnp.float32)
+        dense = jax.jit(lambda x, w: x @ w)
+        w_f = float_params["layers"]["w_gate"][0]
+        rates = {"float32 dot": _median_ms(dense, (x, w_f), 200)}
+        if is_q(w):
+            one = quant.BlockQuant(w.codes[0], w.scale[0], None if w.offset is None else w.offset[0], w.shape)
+            deq = jax.jit(lambda x, q: x @ q.dequantize())
+            rates["block codes, dequantized then dot"] = _median_ms(deq, (x, one), 200)
+        n = int(np.prod(w_f.shape))
+        print(f"\none [{w_f.shape[0]}, {w_f.shape[1]}] matrix-vector product (w_gate of layer 0):")
+        for name, ms in rates.items():
+            print(f"  {name}: {ms * 1e3:.0f} us = {n / ms / 1e6:.2f} G weights/s")
+
+
+if __name__ == "__main__":
+    C.run_main(main)
