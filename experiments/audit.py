@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import time
 from typing import Any
@@ -498,6 +499,10 @@ def main(argv):
     specs = list(dict.fromkeys(s for s in _METHOD.value if s != REFERENCE))
     for s in specs:
         C.parse_method_spec(split_spec(s)[0])  # flag errors before any model loads
+    for name in ("asd_calibration", "csd_memory"):  # before run.json records them as this run's settings
+        given = flags.FLAGS[name].value
+        if given and not os.path.exists(given):
+            raise app.UsageError(f"--{name} {given}: no such file or directory")
     logging.set_verbosity(logging.WARNING)
     out_dir = pathlib.Path(_OUT.value)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -74,6 +74,8 @@ BAD_FLAGS = [
     ("calibrate_asd", [*TINY, "--draft", "pld", "--output", "/tmp/x"], "calibration needs a draft model"),
     ("sweep", ["--output_dir", "/tmp/x", "--thetas", "a,b"], "--thetas must be a comma list"),
     ("audit", ["--output_dir", "/tmp/x", "--method", "fly:bogus=1"], "unknown option 'bogus'"),
+    ("audit", ["--output_dir", "/tmp/specjax-audit-absent-calibration", "--asd_calibration", "/nonexistent/asd.json"],
+     "--asd_calibration /nonexistent/asd.json: no such file or directory"),
 ]
 
 
