@@ -1,4 +1,5 @@
-"""experiments/profile_step.py: the unrolled variant computes the engine's logits, and the profile reads XLA's ops."""
+"""experiments/profile_step.py (its helpers in _profile): the unrolled variant computes the engine's logits,
+and the profile reads XLA's operations."""
 
 import pathlib
 import subprocess
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import profile_step
+from experiments import _profile
 from specjax import models
 from specjax.models import llama
 
@@ -23,14 +24,14 @@ def test_unrolled_layers_give_the_scanned_logits():
     tokens = jnp.array([[5, 9], [1, 2]], jnp.int32)
     want = llama.forward_cached(config, m.params, tokens, cache)[0]
     layers = [jax.tree.map(lambda x, i=i: x[i], m.params["layers"]) for i in range(config.num_layers)]
-    got = profile_step.unrolled_forward(config, m.params, layers, tokens, cache)
+    got = _profile.unrolled_forward(config, m.params, layers, tokens, cache)
     assert got.shape == (2, 2, 64)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_profile_lists_the_programs_operations():
     fn = jax.jit(lambda a, b: jnp.tanh(a @ b).sum())
-    ops = profile_step.profile_ops(fn, (jnp.ones((64, 64)), jnp.ones((64, 64))), steps=3)
+    ops = _profile.profile_ops(fn, (jnp.ones((64, 64)), jnp.ones((64, 64))), steps=3)
     assert ops and all(ms >= 0 and n > 0 for _, ms, n in ops)
     assert not any(name.startswith("$") for name, _, _ in ops)  # Python frames are not operations
 
