@@ -1,8 +1,12 @@
 import os
+import tempfile
 
 # 8 fake CPU devices for the sharding tests; must be set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A compilation cache of this run's own (set before xdist starts its workers, so they share it): the
+# tests never read programs that other processes (benchmarks, killed runs) left in ~/.cache/specjax/xla.
+os.environ.setdefault("SPECJAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="specjax-test-xla-"))
 
 import pytest  # noqa: E402
 
