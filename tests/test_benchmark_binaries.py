@@ -32,6 +32,7 @@ def test_benchmark_rejects_a_bad_mesh(mesh, message):
 
 @pytest.mark.smollm2
 @pytest.mark.slow
+@pytest.mark.heavy  # a minute; the meshes' tokens and memory are checked in test_sharding_engine
 def test_benchmark_on_a_mesh_prints_memory_per_device(tmp_path):
     """SmolLM2 on a (1, 2) mesh of fake CPU devices: the table, and the bytes per device of the
     parameters halved (MLP and vocabulary split over "model"; 9 heads stay replicated)."""

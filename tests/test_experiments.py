@@ -178,6 +178,7 @@ def test_calibrate_asd_follows_the_published_procedure(env, tmp_path):
     assert "tau:" in out
 
 
+@pytest.mark.heavy  # half a minute; each calibration binary is run in its own test
 def test_calibrations_share_their_greedy_decoding_through_the_cache(env, tmp_path):
     """calibrate_csd fills --cache_dir; calibrate_asd on the same inputs reads it and
     calibrates exactly as without the cache; other prompts miss the cache."""
@@ -307,6 +308,7 @@ def test_pareto_front():
 
 
 @pytest.mark.smollm2
+@pytest.mark.heavy  # a minute: the notebook's cells run the engine and binaries tested on their own
 def test_notebook_runs_end_to_end_in_its_small_setting(env, tmp_path):
     """Every code cell but the install cell (tagged "install"), in order, in a fresh interpreter."""
     from specjax.models import PresetError, presets
