@@ -9,7 +9,8 @@ logits compared bit for bit against the model as loaded:
     stacked, as loaded    layers stacked on axis 0 and scanned (`llama.forward_cached`), block-
                           quantized matrices kept as codes (what the engine runs)
     stacked, float32      the same scan over float32 matrices
-    unrolled, float32     one float32 array per layer, a Python loop of layers (no scan)
+    unrolled, float32     one float32 array per layer, a loop of layers (`llama.unstack_layers`,
+                          what Engine(layers="unrolled") runs)
 
 and, per [D, F] matrix of the model, the rate at which XLA:CPU turns stored weights into a
 matrix-vector product (weights per second): a float32 dot, and block codes dequantized and dotted.
@@ -27,10 +28,10 @@ from absl import app, flags
 
 try:  # imported as experiments.profile_step or run as a script (experiments/ on sys.path)
     from experiments import _common as C
-    from experiments._profile import profile_ops, unrolled_forward
+    from experiments._profile import profile_ops
 except ImportError:
     import _common as C
-    from _profile import profile_ops, unrolled_forward
+    from _profile import profile_ops
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf or HF directory.")
 _CONTEXT = flags.DEFINE_integer("context", 50, "Tokens already in the cache (the step's position).")
@@ -92,12 +93,9 @@ def main(argv):
     if _VARIANTS.value:
         f32 = lambda x: x.dequantize() if is_q(x) else x  # noqa: E731
         float_params = jax.block_until_ready(jax.tree.map(f32, m.params, is_leaf=is_q))
-        layers = [jax.block_until_ready(jax.tree.map(lambda x, i=i: jnp.array(x[i]), float_params["layers"]))
-                  for i in range(c.num_layers)]
-        unrolled = jax.jit(lambda p, ls, t, cache: unrolled_forward(c, p, ls, t, cache))
         variants = {"stacked, as loaded": (step, (m.params, tokens, cache)),
                     "stacked, float32": (step, (float_params, tokens, cache)),
-                    "unrolled, float32": (unrolled, (float_params, layers, tokens, cache))}
+                    "unrolled, float32": (step, (llama.unstack_layers(float_params), tokens, cache))}
         ref = np.asarray(step(m.params, tokens, cache))
         times = {name: [] for name in variants}
         for _ in range(3):  # interleaved rounds
