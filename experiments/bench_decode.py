@@ -50,6 +50,8 @@ _UBATCH = flags.DEFINE_integer("llamacpp_ubatch", 0, "llama-bench's -ub (physica
 _THREADS = flags.DEFINE_integer("llamacpp_threads", os.cpu_count() or 1, "llama.cpp's -t.")
 _LAYERS = flags.DEFINE_multi_enum("layers", ["stacked"], ["stacked", "unrolled"], "specjax rows per layer "
                                   "layout (Engine(layers=...)); repeat the flag for several, interleaved.")
+_MATMUL = flags.DEFINE_multi_enum("matmul", ["auto"], ["auto", "native", "xla"], "specjax rows per matmul "
+                                  "path (Engine(matmul=...)); repeat the flag for several, interleaved.")
 _COMPARE_HEAD = flags.DEFINE_boolean("compare_head", False, "Also run specjax with the embedding / LM head "
                                      "expanded to float32 (same values), interleaved.")
 
@@ -91,13 +93,14 @@ def main(argv):
     m = models.load(_MODEL.value)
     ids = m.tokenizer.chat_prompt_ids(_PROMPT.value)
     batches = [1, 8] if _BATCH8.value else [1]
-    variants = {}  # row name -> (model, layer layout); "specjax" is the first layout asked for
-    for i, layers in enumerate(dict.fromkeys(_LAYERS.value)):
-        variants["specjax" if i == 0 else f"specjax ({layers} layers)"] = (m, layers)
+    variants = {}  # row name -> (model, layer layout, matmul); "specjax" is the first of each flag
+    combos = [(lay, mm) for lay in dict.fromkeys(_LAYERS.value) for mm in dict.fromkeys(_MATMUL.value)]
+    for i, (layers, matmul) in enumerate(combos):
+        variants["specjax" if i == 0 else f"specjax ({layers} layers, {matmul} matmul)"] = (m, layers, matmul)
     if _COMPARE_HEAD.value:
-        variants["specjax (float32 head)"] = (float_head(m), _LAYERS.value[0])
-    ours = {(name, b): specjax.Engine(v, max_new_tokens=_NEW.value, eos_ids=(), layers=layers)
-            for name, (v, layers) in variants.items() for b in batches}
+        variants["specjax (float32 head)"] = (float_head(m), *combos[0])
+    ours = {(name, b): specjax.Engine(v, max_new_tokens=_NEW.value, eos_ids=(), layers=layers, matmul=matmul)
+            for name, (v, layers, matmul) in variants.items() for b in batches}
     for engine in ours.values():  # compile outside the timings
         engine.generate([ids] * engine_batch(engine, ours))
 

@@ -13,11 +13,12 @@ import numbers
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from specjax import _checks, compile_cache, drafters, loop, metrics, sharding, verify
-from specjax.models import llama
+from specjax import _checks, compile_cache, drafters, loop, metrics, native, sharding, verify
+from specjax.models import llama, quant
 from specjax.models.model import Model
 
 _CACHE_BUCKET = 64
@@ -44,6 +45,16 @@ class GenerateOutput:
     rule_state: Any = ()
 
 
+def _pack(params, dtype):
+    """Stacked layers' block codes that fit in 4 bits as `quant.PackedQuant` (float32 models
+    only: the kernel computes in float32; bfloat16 activations go to XLA's dot)."""
+    if not isinstance(params, dict) or "layers" not in params or jnp.dtype(dtype) != jnp.float32:
+        return params
+    layers = jax.tree.map(lambda w: quant.pack_nibbles(w) if isinstance(w, quant.BlockQuant) else w,
+                          params["layers"], is_leaf=lambda w: isinstance(w, quant.BlockQuant))
+    return {**params, "layers": layers}
+
+
 class Engine:
     """Compiles and runs generation.
 
@@ -66,6 +77,11 @@ class Engine:
     float arrays; on XLA:CPU measurably faster per token, since the scan copies every layer's
     weights and dequantizes codes into a buffer before each dot; it compiles for longer and
     holds float weights; the logits agree to an ulp or so; `llama.unstack_layers`).
+    matmul: "auto" (decode-sized matmuls on an unsharded CPU program run in specjax.native's
+    kernel, which reads block codes inside the dot; elsewhere XLA's dot), "native" (required:
+    an error where it cannot run) or "xla" (always XLA's dot). The kernel's logits agree with
+    XLA's to float32 rounding, and are the same bit for bit from block codes or from their
+    float32 dequantization.
     mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a
     `sharding.MeshConfig` (rules, attention "auto"/"replicate"/"pad", draft "shard"/"replicate");
     params are placed once, caches and logits are constrained inside the program, and the
@@ -76,7 +92,7 @@ class Engine:
                  max_new_tokens: int = 128, max_len: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, mesh=None, eos_ids: Sequence[int] | None = None,
                  pld_match: str = "earliest", prompt_bucket: int | None = None, layers: str = "stacked",
-                 **rule_options):
+                 matmul: str = "auto", **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
         _checks.engine_args(temperature=temperature, top_p=top_p, seed=seed, eos_ids=eos_ids)  # NaN, "12", 1.5
@@ -102,7 +118,16 @@ class Engine:
         if layers == "unrolled" and mesh is not None:
             raise ValueError("layers='unrolled' runs on one device; on a mesh the stacked layers are sharded "
                              "(pass mesh=None or layers='stacked')")
-        self.layers = layers
+        if matmul not in ("auto", "native", "xla"):
+            raise ValueError(f"matmul must be 'auto', 'native' or 'xla', got {matmul!r}")
+        if matmul == "native":
+            if mesh is not None:
+                raise ValueError("matmul='native' runs on one device (a custom call has no sharding rule): "
+                                 "pass mesh=None or matmul='auto'")
+            if jax.default_backend() != "cpu" or not native.available():
+                raise ValueError(f"matmul='native' needs the CPU kernel (backend {jax.default_backend()!r}, "
+                                 f"built: {native.available()}; see specjax.native)")
+        self.layers, self.matmul = layers, matmul
         self.target, self.k = target, int(k)
         self.prompt_bucket = None if prompt_bucket is None else int(prompt_bucket)
         self.max_new_tokens, self.max_len = int(max_new_tokens), max_len
@@ -126,6 +151,11 @@ class Engine:
             draft_dtype = getattr(getattr(self.drafter, "model", self.drafter), "dtype", target.dtype)
             self.params = loop.Params(target=unroll(target.params, target.dtype),
                                       draft=unroll(draft_params, draft_dtype))
+        if layers == "stacked" and (matmul == "native" or (matmul == "auto" and mesh is None
+                                                            and quant.default_native())):
+            # 4-bit layer codes two per byte: the native kernel reads half the code bytes
+            self.params = loop.Params(target=_pack(self.params.target, target.dtype),
+                                      draft=_pack(self.params.draft, target.dtype))
         if self.layout is not None:
             self.params = loop.Params(
                 target=sharding.place(target.params, self.layout.param_shardings(target.params)),
@@ -166,7 +196,8 @@ class Engine:
             prompt_BT[i, : lengths[i]] = p
         program = loop.Program(config=self.target.config, max_new_tokens=self.max_new_tokens, max_len=max_len,
                                temperature=self.temperature, top_p=self.top_p, eos_ids=self.eos_ids,
-                               dtype=self.target.dtype, drafter=self.drafter, rule=self.rule, layout=self.layout)
+                               dtype=self.target.dtype, drafter=self.drafter, rule=self.rule, layout=self.layout,
+                               matmul=self.matmul)
         state = self._rule_state(len(prompts), rule_state)
         # host arrays: jit transfers them; the PRNG key is made inside the program
         inputs = dict(prompt_BT=prompt_BT, prompt_len_B=np.asarray(lengths, np.int32), seed=np.uint32(self.seed),

@@ -87,6 +87,7 @@ class Program:
     drafter: Any = None
     rule: Any = None
     layout: Any = None
+    matmul: str = "auto"  # "auto" | "native" | "xla": see native_matmul
 
     @property
     def k(self) -> int:
@@ -95,7 +96,7 @@ class Program:
     @functools.partial(jax.jit, static_argnames=("self",))
     def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state) -> Output:
         """The whole generation: prefill, then rounds until every row is done."""
-        with quant.head_chunks(self.head_chunk):
+        with quant.head_chunks(self.head_chunk), quant.native_matmul(self.native_matmul):
             state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state)
             if self.drafter is None:
                 body = functools.partial(self.target_only_round, params)
@@ -114,6 +115,16 @@ class Program:
         if self.layout is None:
             return quant.default_head_chunk()
         return quant.default_head_chunk(self.layout.mesh.devices.flat[0].platform, self.layout.vocab_sharded)
+
+    @property
+    def native_matmul(self) -> bool:
+        """Decode-sized matmuls in specjax.native's CPU kernel: on an unsharded CPU program
+        ("auto"; the Engine checked "native" against the platform and mesh), never ("xla")."""
+        if self.matmul != "auto":
+            return self.matmul == "native"
+        if self.layout is None:
+            return quant.default_native()
+        return quant.default_native(self.layout.mesh.devices.flat[0].platform, sharded=True)
 
     # -- the pieces of the loop -------------------------------------------------
 

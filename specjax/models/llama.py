@@ -86,13 +86,16 @@ class Block(nn.Module):
         x_BTD, cache_k, cache_v = carry
         D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         B, T, _ = x_BTD.shape
-        # a weight may be a float array or a block-quantized one, dequantized here (fused by XLA)
+        # a weight may be a float array or a block-quantized one (quant.contract: XLA's dot of
+        # its dequantization, or the native kernel for decode-sized products on the CPU)
         p = lambda name, shape: quant.materialize(_weight(self, name, shape), self.dtype)  # noqa: E731
+        mm = lambda spec, x, name, shape, n_in=1: quant.contract(spec, x, _weight(self, name, shape), n_in,  # noqa: E731
+                                                                 self.dtype)
 
         h_BTD = RMSNorm(c.rms_norm_eps, name="attn_norm")(x_BTD)
-        q_BTHDh = jnp.einsum("btd,dhk->bthk", h_BTD, p("wq", (D, H, Dh)))
-        k_BTGDh = jnp.einsum("btd,dgk->btgk", h_BTD, p("wk", (D, G, Dh)))
-        v_BTGDh = jnp.einsum("btd,dgk->btgk", h_BTD, p("wv", (D, G, Dh)))
+        q_BTHDh = mm("btd,dhk->bthk", h_BTD, "wq", (D, H, Dh))
+        k_BTGDh = mm("btd,dgk->btgk", h_BTD, "wk", (D, G, Dh))
+        v_BTGDh = mm("btd,dgk->btgk", h_BTD, "wv", (D, G, Dh))
         if c.qkv_bias:
             q_BTHDh += p("bq", (H, Dh))
             k_BTGDh += p("bk", (G, Dh))
@@ -117,13 +120,12 @@ class Block(nn.Module):
         scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
         attn_BTHDh = jnp.einsum("bgqts,bsgk->btgqk", probs, values_BSGDh.astype(self.dtype)).reshape(B, T, H, Dh)
-        x_BTD = x_BTD + jnp.einsum("bthk,hkd->btd", attn_BTHDh, p("wo", (H, Dh, D)))
+        x_BTD = x_BTD + mm("bthk,hkd->btd", attn_BTHDh, "wo", (H, Dh, D), 2)
 
         h_BTD = RMSNorm(c.rms_norm_eps, name="mlp_norm")(x_BTD)
-        gate_BTF = jnp.einsum("btd,df->btf", h_BTD, p("w_gate", (D, c.intermediate_size)))
-        up_BTF = jnp.einsum("btd,df->btf", h_BTD, p("w_up", (D, c.intermediate_size)))
-        x_BTD = x_BTD + jnp.einsum("btf,fd->btd", nn.silu(gate_BTF) * up_BTF,
-                                   p("w_down", (c.intermediate_size, D)))
+        gate_BTF = mm("btd,df->btf", h_BTD, "w_gate", (D, c.intermediate_size))
+        up_BTF = mm("btd,df->btf", h_BTD, "w_up", (D, c.intermediate_size))
+        x_BTD = x_BTD + mm("btf,fd->btd", nn.silu(gate_BTF) * up_BTF, "w_down", (c.intermediate_size, D))
         return (x_BTD, cache_k, cache_v), None
 
 

@@ -56,9 +56,69 @@ class BlockQuant:
         return w.reshape(*lead, *self.shape).astype(dtype)
 
 
+@struct.dataclass
+class PackedQuant:
+    """A BlockQuant whose codes fit in 4 bits, held two per byte: half the code bytes, for the
+    native CPU kernel, which reads them as they lie (`pack_nibbles`; never on a mesh).
+
+    nibbles: uint8[..., in/bs, bs/2, out]; byte j of a block holds the codes of rows 2j (low
+    nibble) and 2j + 1 (high nibble), as unsigned 0..15 or, with `signed`, two's complement -8..7.
+    """
+
+    nibbles: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None
+    shape: tuple[int, ...] = struct.field(pytree_node=False)
+    signed: bool = struct.field(pytree_node=False, default=False)
+
+    @property
+    def dtype(self):
+        return jnp.float32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (self.nibbles, self.scale, self.offset)
+                   if a is not None)
+
+    def unpacked(self) -> BlockQuant:
+        """The same weight with one int8 code per weight."""
+        b = self.nibbles.astype(jnp.int32)
+        lo, hi = b & 15, b >> 4
+        if self.signed:
+            lo, hi = lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)
+        codes = jnp.stack([lo, hi], axis=-2)  # [..., in/bs, bs/2, 2, out]
+        codes = codes.reshape(*b.shape[:-2], 2 * b.shape[-2], b.shape[-1]).astype(jnp.int8)
+        return BlockQuant(codes, self.scale, self.offset, self.shape)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.unpacked().dequantize(dtype)
+
+
+def pack_nibbles(w: BlockQuant):
+    """`w` as a PackedQuant when every code fits in 4 bits (Q4_0: -8..7; Q4_1/Q4_K: 0..15) and
+    its blocks have an even size; otherwise `w` unchanged. Runs on the host."""
+    codes = np.asarray(w.codes)
+    if codes.shape[-2] % 2 or codes.size == 0:
+        return w
+    lo, hi = int(codes.min()), int(codes.max())
+    if 0 <= lo and hi <= 15:
+        signed = False
+    elif -8 <= lo and hi <= 7:
+        signed = True
+    else:
+        return w
+    nib = codes.astype(np.uint8) & 15  # two's complement keeps a signed code's low 4 bits
+    packed = nib[..., 0::2, :] | (nib[..., 1::2, :] << 4)
+    return PackedQuant(jnp.asarray(packed), w.scale, w.offset, w.shape, signed)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, (BlockQuant, PackedQuant))
+
+
 def materialize(w, dtype=jnp.float32) -> jax.Array:
-    """A float weight of `dtype` from a plain array or a BlockQuant."""
-    return w.dequantize(dtype) if isinstance(w, BlockQuant) else jnp.asarray(w).astype(dtype)
+    """A float weight of `dtype` from a plain array, a BlockQuant or a PackedQuant."""
+    return w.dequantize(dtype) if is_quantized(w) else jnp.asarray(w).astype(dtype)
 
 
 # Vocabulary columns dequantized per step of the head's scan: the float chunk (D x 1024
@@ -80,6 +140,63 @@ def head_chunks(chunk: int | None):
         yield
     finally:
         _head_chunk.pop()
+
+
+# Whether decode-sized matmuls use specjax.native's kernel (codes expanded in registers inside
+# the dot). None: decide from the default backend (see default_native).
+_native: list = [None]
+
+# Rows (B x T) up to which `contract` uses the native kernel; a prefill's many rows make a
+# compute-bound matmul, where XLA's blocked dot is faster.
+NATIVE_MAX_ROWS = 128
+
+
+@contextlib.contextmanager
+def native_matmul(on: bool | None):
+    """Within this context (at trace time) `contract` and `matmul_columns` run small matmuls
+    with the native CPU kernel (`specjax.native`). `loop.Program` sets it from its platform
+    and layout; None decides from the default backend."""
+    _native.append(on)
+    try:
+        yield
+    finally:
+        _native.pop()
+
+
+def default_native(platform: str | None = None, sharded: bool = False) -> bool:
+    """On an unsharded CPU program when the kernel builds here (and SPECJAX_NATIVE is not 0).
+    A custom call has no sharding rule, so on a mesh GSPMD would gather its operands."""
+    from specjax import native
+
+    platform = platform or jax.default_backend()
+    return platform == "cpu" and not sharded and native.available()
+
+
+def native_enabled() -> bool:
+    """Whether the current trace runs small matmuls natively (the `native_matmul` context)."""
+    return bool(_native[-1] if _native[-1] is not None else default_native())
+
+
+def _use_native(x, w, rows: int) -> bool:
+    from specjax import native
+
+    return native_enabled() and rows <= NATIVE_MAX_ROWS and native.supports(x, w)
+
+
+def contract(spec: str, x: jax.Array, w, n_in: int, dtype=jnp.float32) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` for a linear layer: x [..., *in] with w [*in, *out] (`n_in`
+    contracted dimensions), w float or block-quantized. Decode-sized products on the CPU go to
+    the native kernel (the same values from codes or from their float32 dequantization, bit
+    for bit); everything else is XLA's dot of the materialized weight."""
+    lead, inner = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in:]
+    K, rows = math.prod(inner), math.prod(lead)
+    out = tuple(w.shape[n_in:])
+    w2 = w if is_quantized(w) else w.reshape(K, math.prod(out))
+    if _use_native(x, w2, rows):
+        from specjax import native
+
+        return native.dot(x.reshape(rows, K), w2).reshape(*lead, *out)
+    return jnp.einsum(spec, x, materialize(w, dtype))
 
 
 def default_head_chunk(platform: str | None = None, vocab_sharded: bool = False) -> int:
@@ -117,6 +234,11 @@ def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int | None = N
     shape = w.shape
     if len(shape) != 2 or (isinstance(w, BlockQuant) and w.codes.ndim != 3):
         raise ValueError(f"matmul_columns needs an unstacked [D, V] table, got shape {shape}")
+    B, T = x_BTD.shape[:2]
+    if _use_native(x_BTD, w, B * T):  # reads the table where it lies, one column tile at a time
+        from specjax import native
+
+        return native.dot(x_BTD.reshape(B * T, shape[0]), w).reshape(B, T, shape[1])
     if chunk is None:
         chunk = _head_chunk[-1] if _head_chunk[-1] is not None else default_head_chunk()
     if chunk == 0:
@@ -136,7 +258,6 @@ def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int | None = N
         return None, jnp.einsum("btd,dv->btv", x_BTD, part, preferred_element_type=jnp.float32)
 
     _, parts_NBTC = jax.lax.scan(one, None, jnp.arange(n))
-    B, T = x_BTD.shape[:2]
     head = jnp.moveaxis(parts_NBTC[:-1], 0, 2).reshape(B, T, (n - 1) * chunk)
     tail = parts_NBTC[-1][:, :, chunk - (V - (n - 1) * chunk):]
     return jnp.concatenate([head, tail], axis=-1)
@@ -149,8 +270,8 @@ def pad_columns(w: BlockQuant, extra: int) -> BlockQuant:
 
 
 def param_bytes(params) -> int:
-    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, BlockQuant))
-    return sum(x.nbytes if isinstance(x, BlockQuant) else int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
+    leaves = jax.tree.leaves(params, is_leaf=is_quantized)
+    return sum(x.nbytes if is_quantized(x) else int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
 
 
 # --- from GGUF blocks -----------------------------------------------------------

@@ -1,0 +1,141 @@
+"""A native CPU kernel for decode-sized matmuls with block-quantized weights (`blockdot.cc`).
+
+XLA:CPU dequantizes block codes into a float32 buffer and then dots it, at a fraction of
+the speed of reading the codes (experiments/profile_step.py). `blockdot.cc` expands each
+code in registers right before its multiply-add, as an XLA FFI custom call. It is compiled
+on first use with the host's C++ compiler (`$CXX`, else g++, `-O3 -march=native`) against
+the FFI headers that jaxlib ships, into the specjax cache (keyed by the source, the flags,
+jaxlib's version and the CPU), and registered with XLA. Where that fails (no compiler), or
+with `SPECJAX_NATIVE=0`, `available()` is False and the models keep XLA's dot.
+
+    y_MN = dot(x_MK, w)   # w: float32 [K, N] or a BlockQuant with codes [K/bs, bs, N]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+ENV_VAR = "SPECJAX_NATIVE"
+SOURCE = os.path.join(os.path.dirname(__file__), "blockdot.cc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+COLUMNS = 32  # N must be a multiple of the kernel's tile (blockdot.cc: kCols)
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_VAR, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _cpu_key() -> str:
+    """What -march=native compiles for: the CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def _library_path() -> str:
+    import jaxlib
+
+    from specjax.models import presets
+
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + jaxlib.__version__.encode()
+                                + _cpu_key().encode()).hexdigest()[:16]
+    return os.path.join(presets.cache_dir(), "native", f"blockdot-{digest}.so")
+
+
+def _compile(path: str) -> None:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (set CXX or install g++)")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    os.replace(tmp, path)  # atomic: a concurrent process sees the whole library or none
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> bool:
+    if not enabled_by_env():
+        return False
+    path = _library_path()
+    try:
+        if not os.path.exists(path):
+            _compile(path)
+        lib = ctypes.cdll.LoadLibrary(path)
+        jax.ffi.register_ffi_target("specjax_blockdot", jax.ffi.pycapsule(lib.SpecjaxBlockDot), platform="cpu")
+        jax.ffi.register_ffi_target("specjax_densedot", jax.ffi.pycapsule(lib.SpecjaxDenseDot), platform="cpu")
+        jax.ffi.register_ffi_target("specjax_nibbledot", jax.ffi.pycapsule(lib.SpecjaxNibbleDot), platform="cpu")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        warnings.warn(f"specjax's native CPU matmul is unavailable, using XLA's dot instead: {e}", stacklevel=2)
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (compiles it on the first call)."""
+    return _load()
+
+
+def supports(x, w) -> bool:
+    """Whether dot(x, w) can run natively: float32 activations, a float32 [K, N] matrix or an
+    unstacked BlockQuant (int8 codes) / PackedQuant, N a multiple of the tile."""
+    from specjax.models.quant import BlockQuant, PackedQuant
+
+    if x.dtype != jnp.float32:
+        return False
+    if isinstance(w, BlockQuant):
+        return (w.codes.ndim == 3 and w.codes.dtype == jnp.int8 and w.scale.dtype == jnp.float32
+                and w.codes.shape[-1] % COLUMNS == 0)
+    if isinstance(w, PackedQuant):
+        return (w.nibbles.ndim == 3 and w.nibbles.dtype == jnp.uint8 and w.scale.dtype == jnp.float32
+                and w.nibbles.shape[-1] % COLUMNS == 0)
+    return w.ndim == 2 and w.dtype == jnp.float32 and w.shape[-1] % COLUMNS == 0
+
+
+def dot(x_MK: jax.Array, w) -> jax.Array:
+    """float32[M, N] = x @ w, with w a float32 [K, N] array, a BlockQuant (codes [K/bs, bs, N])
+    or a PackedQuant (nibbles [K/bs, bs/2, N])."""
+    from specjax.models.quant import BlockQuant, PackedQuant
+
+    if not available():
+        raise RuntimeError("the native kernel is not available (see specjax.native)")
+    if not supports(x_MK, w):
+        raise ValueError(f"native.dot takes float32 x and a float32 or block-coded weight whose columns are a "
+                         f"multiple of {COLUMNS}; got x {x_MK.dtype}, weight {getattr(w, 'shape', None)}")
+    M, K = x_MK.shape
+    out = lambda n: jax.ShapeDtypeStruct((M, n), jnp.float32)  # noqa: E731
+    if isinstance(w, (BlockQuant, PackedQuant)):
+        codes = w.codes if isinstance(w, BlockQuant) else w.nibbles
+        nb, rows, N = codes.shape
+        per = 1 if isinstance(w, BlockQuant) else 2  # weights per byte
+        if nb * rows * per != K:
+            raise ValueError(f"x has {K} columns, the weight {nb * rows * per} rows")
+        scale = w.scale.reshape(nb, N)
+        offset = w.offset.reshape(nb, N) if w.offset is not None else scale  # unread without an offset
+        if isinstance(w, BlockQuant):
+            return jax.ffi.ffi_call("specjax_blockdot", out(N), vmap_method="sequential")(
+                x_MK, codes.reshape(K, N), scale, offset, has_offset=w.offset is not None)
+        return jax.ffi.ffi_call("specjax_nibbledot", out(N), vmap_method="sequential")(
+            x_MK, codes.reshape(K // 2, N), scale, offset, has_offset=w.offset is not None, is_signed=w.signed)
+    if w.shape[0] != K:
+        raise ValueError(f"x has {K} columns, the weight {w.shape[0]} rows")
+    return jax.ffi.ffi_call("specjax_densedot", out(w.shape[1]), vmap_method="sequential")(x_MK, w)

@@ -1,0 +1,342 @@
+// y[M, N] = x[M, K] @ W[K, N] for decode-sized M, as an XLA FFI custom call on the CPU.
+//
+// W is either float32 [K, N], or block codes as specjax.models.quant.BlockQuant lays them out:
+// int8 codes [K, N] (row k, column n), float32 scale and offset [K / bs, N]; the weight is
+// codes * scale + offset. 4-bit codes may come two per byte (quant.PackedQuant): uint8 [K / 2, N],
+// row 2j in the low nibble and row 2j + 1 in the high one, unsigned (0..15) or signed (-8..7). XLA:CPU cannot fuse that dequantization into its dot, so it writes a
+// float32 copy of every weight and reads it again; here each weight is expanded in registers
+// right before its multiply-add, and a weight is read once per group of up to kRows rows.
+//
+// Numerics: every output is one float32 sum over k = 0 .. K-1 in order, a multiply-add per
+// term, in both the block and the float kernel, and a code's value (code * scale + offset) is
+// the one that BlockQuant.dequantize gives (the product is exact). So a block-quantized model
+// and its dequantized float32 copy give the same outputs bit for bit, and a row's output
+// does not depend on M or on how the work is split among threads.
+//
+// Threads: the columns are cut into tiles of kCols, claimed from an atomic counter by the
+// calling thread and by helpers scheduled on XLA's intra-op pool; a helper that starts late
+// finds nothing to claim, so the call never waits on a busy pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Vectors of the widest float SIMD the compiler targets; a tile is two of them.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int kVecs = 2;
+constexpr int64_t kCols = kLanes * kVecs;  // columns per tile (the Python side asks for N % 32 == 0)
+// rows sharing one pass over a tile's weights: their accumulators fill half the vector registers
+#if defined(__AVX512F__)
+constexpr int64_t kRows = 8;
+#else
+constexpr int64_t kRows = 4;
+#endif
+constexpr int64_t kTilesPerClaim = 8;  // 256 adjacent columns: a claim reads whole cache lines
+constexpr int64_t kChunk = 64;         // rows of weights read across a claim's columns at a time
+
+template <typename V, typename T>
+inline V Load(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+// kLanes int8 codes as floats (GCC lowers a generic int8 -> float convertvector to scalar code).
+inline VecF LoadCodes(const int8_t* p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  VecF f;
+  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(p[i]);
+#endif
+  VecF v;
+  std::memcpy(&v, &f, sizeof(VecF));
+  return v;
+}
+
+// kLanes bytes, each holding two 4-bit codes: (low nibbles, high nibbles) as floats.
+template <bool kSigned>
+inline void LoadNibbles(const uint8_t* p, VecF* lo, VecF* hi) {
+#if defined(__AVX512F__)
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i l = kSigned ? _mm512_srai_epi32(_mm512_slli_epi32(b, 28), 28) : _mm512_and_si512(b, _mm512_set1_epi32(15));
+  const __m512i h = kSigned ? _mm512_srai_epi32(_mm512_slli_epi32(b, 24), 28) : _mm512_srli_epi32(b, 4);
+  const __m512 fl = _mm512_cvtepi32_ps(l), fh = _mm512_cvtepi32_ps(h);
+#elif defined(__AVX2__)
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i l = kSigned ? _mm256_srai_epi32(_mm256_slli_epi32(b, 28), 28) : _mm256_and_si256(b, _mm256_set1_epi32(15));
+  const __m256i h = kSigned ? _mm256_srai_epi32(_mm256_slli_epi32(b, 24), 28) : _mm256_srli_epi32(b, 4);
+  const __m256 fl = _mm256_cvtepi32_ps(l), fh = _mm256_cvtepi32_ps(h);
+#else
+  VecF fl, fh;
+  for (int i = 0; i < kLanes; ++i) {
+    const int l = p[i] & 15, h = p[i] >> 4;
+    fl[i] = static_cast<float>(kSigned && l >= 8 ? l - 16 : l);
+    fh[i] = static_cast<float>(kSigned && h >= 8 ? h - 16 : h);
+  }
+#endif
+  std::memcpy(lo, &fl, sizeof(VecF));
+  std::memcpy(hi, &fh, sizeof(VecF));
+}
+
+// How the weights are held.
+enum class Codes { kDense, kInt8, kU4, kS4 };
+
+struct Weights {
+  const uint8_t* nibbles = nullptr;  // kU4 / kS4: [K / 2, N]
+  const int8_t* codes = nullptr;  // block: [K, N]
+  const float* scale = nullptr;   // block: [K / bs, N]
+  const float* offset = nullptr;  // block: [K / bs, N] or null
+  const float* dense = nullptr;   // float: [K, N]
+  int64_t bs = 1;
+};
+
+// Rows k0 .. k1 - 1 of one tile of kCols columns starting at n0, for rows m0 .. m0 + R - 1 of x;
+// the partial sums continue those in y (k0 == 0: start from 0). The accumulators stay in registers.
+template <int R, Codes kCodes, bool kOffset>
+inline void Tile(const float* x, float* y, const Weights& w, int64_t K, int64_t N, int64_t m0,
+                 int64_t n0, int64_t k0, int64_t k1) {
+  VecF acc[R][kVecs];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v)
+      acc[r][v] = k0 == 0 ? VecF{} : Load<VecF>(y + (m0 + r) * N + n0 + v * kLanes);
+  const float* xr[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * K;
+  auto step = [&](int64_t k, const VecF (&wv)[kVecs]) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xv = xr[r][k];
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) acc[r][v] += xv * wv[v];
+    }
+  };
+  if constexpr (kCodes == Codes::kDense) {
+    for (int64_t k = k0; k < k1; ++k) {
+      VecF wv[kVecs];
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) wv[v] = Load<VecF>(w.dense + k * N + n0 + v * kLanes);
+      step(k, wv);
+    }
+  } else {
+    const int64_t bs = w.bs;
+    for (int64_t kb = k0; kb < k1; kb += bs) {  // k0 is a multiple of bs
+      VecF sv[kVecs], ov[kVecs];
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) {
+        sv[v] = Load<VecF>(w.scale + (kb / bs) * N + n0 + v * kLanes);
+        ov[v] = kOffset ? Load<VecF>(w.offset + (kb / bs) * N + n0 + v * kLanes) : VecF{};
+      }
+      // a code's value, as BlockQuant.dequantize computes it
+      auto value = [&](const VecF& q, int v) { return kOffset ? q * sv[v] + ov[v] : q * sv[v]; };
+      if constexpr (kCodes == Codes::kInt8) {
+        for (int64_t k = kb; k < kb + bs; ++k) {
+          VecF wv[kVecs];
+#pragma GCC unroll 4
+          for (int v = 0; v < kVecs; ++v) wv[v] = value(LoadCodes(w.codes + k * N + n0 + v * kLanes), v);
+          step(k, wv);
+        }
+      } else {  // two rows per byte, summed in row order
+        for (int64_t k = kb; k < kb + bs; k += 2) {
+          VecF lo[kVecs], hi[kVecs];
+#pragma GCC unroll 4
+          for (int v = 0; v < kVecs; ++v) {
+            LoadNibbles<kCodes == Codes::kS4>(w.nibbles + (k / 2) * N + n0 + v * kLanes, &lo[v], &hi[v]);
+            lo[v] = value(lo[v], v);
+            hi[v] = value(hi[v], v);
+          }
+          step(k, lo);
+          step(k + 1, hi);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) std::memcpy(y + (m0 + r) * N + n0 + v * kLanes, &acc[r][v], sizeof(VecF));
+}
+
+template <Codes kCodes, bool kOffset>
+void Rows(const float* x, float* y, const Weights& w, int64_t M, int64_t K, int64_t N, int64_t n0,
+          int64_t k0, int64_t k1) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) Tile<kRows, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1);
+  switch (M - m) {
+    case 7: Tile<7, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
+    case 6: Tile<6, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
+    case 5: Tile<5, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
+    case 4: Tile<4, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
+    case 3: Tile<3, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
+    case 2: Tile<2, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
+    case 1: Tile<1, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
+    default: break;
+  }
+}
+
+// Tiles t0 .. t1 - 1 (adjacent columns), kChunk rows of weights at a time across all of them:
+// a tile's rows lie N bytes apart, too far for the hardware prefetcher, so a chunk's rows are
+// read across the whole group (contiguous bytes) before moving down. The partial sums wait in
+// y; every output is still one sum over k in order.
+template <Codes kCodes, bool kOffset>
+void Group(const float* x, float* y, const Weights& w, int64_t M, int64_t K, int64_t N, int64_t t0,
+           int64_t t1) {
+  const int64_t chunk = kCodes == Codes::kDense ? kChunk : (kChunk + w.bs - 1) / w.bs * w.bs;
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = std::min(K, k0 + chunk);
+    for (int64_t t = t0; t < t1; ++t) Rows<kCodes, kOffset>(x, y, w, M, K, N, t * kCols, k0, k1);
+  }
+}
+
+template <Codes kCodes, bool kOffset>
+struct Job {
+  const float* x;
+  float* y;
+  Weights w;
+  int64_t M, K, N, tiles;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Work() {
+    for (;;) {
+      const int64_t t0 = next.fetch_add(kTilesPerClaim, std::memory_order_relaxed);
+      if (t0 >= tiles) return;
+      const int64_t t1 = std::min(tiles, t0 + kTilesPerClaim);
+      Group<kCodes, kOffset>(x, y, w, M, K, N, t0, t1);
+      done.fetch_add(t1 - t0, std::memory_order_release);
+    }
+  }
+};
+
+template <Codes kCodes, bool kOffset>
+ffi::Error RunAs(ffi::ThreadPool& pool, const float* x, float* y, const Weights& w, int64_t M, int64_t K,
+                 int64_t N) {
+  auto job = std::make_shared<Job<kCodes, kOffset>>();
+  job->x = x;
+  job->y = y;
+  job->w = w;
+  job->M = M;
+  job->K = K;
+  job->N = N;
+  job->tiles = N / kCols;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->tiles / kTilesPerClaim) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  // Tiles claimed by helpers may still be in flight.
+  while (job->done.load(std::memory_order_acquire) < job->tiles) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(ffi::ThreadPool pool, const float* x, float* y, Weights w, Codes codes, int64_t M, int64_t K,
+               int64_t N) {
+  if (N % kCols != 0) return ffi::Error::InvalidArgument("blockdot: N must be a multiple of the tile width");
+  if (codes != Codes::kDense && (w.bs <= 0 || K % w.bs != 0 || ((codes == Codes::kU4 || codes == Codes::kS4) && w.bs % 2)))
+    return ffi::Error::InvalidArgument("blockdot: K must be a multiple of an (even, for nibbles) block size");
+  const bool off = w.offset != nullptr;
+  switch (codes) {
+    case Codes::kDense: return RunAs<Codes::kDense, false>(pool, x, y, w, M, K, N);
+    case Codes::kInt8: return off ? RunAs<Codes::kInt8, true>(pool, x, y, w, M, K, N)
+                                  : RunAs<Codes::kInt8, false>(pool, x, y, w, M, K, N);
+    case Codes::kU4: return off ? RunAs<Codes::kU4, true>(pool, x, y, w, M, K, N)
+                                : RunAs<Codes::kU4, false>(pool, x, y, w, M, K, N);
+    case Codes::kS4: return off ? RunAs<Codes::kS4, true>(pool, x, y, w, M, K, N)
+                                : RunAs<Codes::kS4, false>(pool, x, y, w, M, K, N);
+  }
+  return ffi::Error::Internal("blockdot: unknown code kind");
+}
+
+ffi::Error BlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                     ffi::ResultBuffer<ffi::F32> y, bool has_offset) {
+  const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || xd[1] != cd[0] || sd[1] != cd[1] ||
+      (has_offset && offset.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("blockdot: expected x [M, K], codes [K, N], scale/offset [K/bs, N]");
+  Weights w;
+  w.codes = codes.typed_data();
+  w.scale = scale.typed_data();
+  w.offset = has_offset ? offset.typed_data() : nullptr;
+  w.bs = sd[0] > 0 ? cd[0] / sd[0] : 0;
+  if (w.bs * sd[0] != cd[0]) return ffi::Error::InvalidArgument("blockdot: K is not blocks x block size");
+  return Run(pool, x.typed_data(), y->typed_data(), w, Codes::kInt8, xd[0], xd[1], cd[1]);
+}
+
+// 4-bit codes two per byte: nibbles [K / 2, N]
+ffi::Error NibbleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nibbles,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                      ffi::ResultBuffer<ffi::F32> y, bool has_offset, bool is_signed) {
+  const auto xd = x.dimensions(), pd = nibbles.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || pd.size() != 2 || sd.size() != 2 || xd[1] != 2 * pd[0] || sd[1] != pd[1] ||
+      (has_offset && offset.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("blockdot: expected x [M, K], nibbles [K/2, N], scale/offset [K/bs, N]");
+  Weights w;
+  w.nibbles = nibbles.typed_data();
+  w.scale = scale.typed_data();
+  w.offset = has_offset ? offset.typed_data() : nullptr;
+  w.bs = sd[0] > 0 ? xd[1] / sd[0] : 0;
+  if (w.bs * sd[0] != xd[1]) return ffi::Error::InvalidArgument("blockdot: K is not blocks x block size");
+  return Run(pool, x.typed_data(), y->typed_data(), w, is_signed ? Codes::kS4 : Codes::kU4, xd[0], xd[1],
+             pd[1]);
+}
+
+ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dense,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = dense.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("blockdot: expected x [M, K], w [K, N]");
+  Weights w;
+  w.dense = dense.typed_data();
+  return Run(pool, x.typed_data(), y->typed_data(), w, Codes::kDense, xd[0], xd[1], wd[1]);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockDot, BlockImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("has_offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDenseDot, DenseImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxNibbleDot, NibbleImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("has_offset")
+                                  .Attr<bool>("is_signed"));

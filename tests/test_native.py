@@ -1,0 +1,277 @@
+"""specjax.native: the CPU kernel for decode-sized matmuls against plain references."""
+
+import dataclasses
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import native
+from specjax.models import Config, quant, random_model
+
+if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+    pytest.skip("no C++ compiler: the native kernel cannot be built here", allow_module_level=True)
+
+
+def block_weight(rng, K, N, bs, offset=True, codes_range=8):
+    codes = rng.integers(-codes_range, codes_range, (K // bs, bs, N)).astype(np.int8)
+    # float16-derived scales, as a GGUF holds them: code x scale is exact in float32
+    scale = (rng.random((K // bs, 1, N)) * 0.02).astype(np.float16).astype(np.float32)
+    off = (rng.standard_normal((K // bs, 1, N)) * 0.01).astype(np.float16).astype(np.float32) if offset else None
+    return quant.BlockQuant(jnp.asarray(codes), jnp.asarray(scale), None if off is None else jnp.asarray(off), (K, N))
+
+
+def reference(x, w):
+    """float64 x @ w of the dequantized values."""
+    wd = np.asarray(w.dequantize() if isinstance(w, quant.BlockQuant) else w, np.float64)
+    return np.asarray(x, np.float64) @ wd
+
+
+def bound(x, w):
+    """A float32 summation error bound: K ulps of sum |x| |w| (elementwise)."""
+    wd = np.abs(np.asarray(w.dequantize() if isinstance(w, quant.BlockQuant) else w, np.float64))
+    return x.shape[1] * np.finfo(np.float32).eps * (np.abs(np.asarray(x, np.float64)) @ wd) + 1e-30
+
+
+def test_the_kernel_builds_here():
+    assert native.available()
+
+
+# awkward sizes: rows around the kernel's row groups (4 or 8), K not a multiple of the row chunk
+# (64), a single tile of columns, block sizes of the K-quants (16) and the legacy types (32)
+@pytest.mark.parametrize("M", [1, 3, 9, 17, 72])
+@pytest.mark.parametrize("K, N, bs", [(32, 32, 32), (96, 96, 16), (576, 288, 32), (160, 64, 32)])
+@pytest.mark.parametrize("offset", [True, False])
+def test_block_codes_match_a_float64_reference(M, K, N, bs, offset):
+    rng = np.random.default_rng(M * 1000 + K + N + bs + offset)
+    w = block_weight(rng, K, N, bs, offset)
+    x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+    y = np.asarray(jax.jit(native.dot)(x, w))
+    assert y.shape == (M, N) and y.dtype == np.float32
+    assert np.all(np.abs(y - reference(x, w)) <= bound(x, w))
+
+
+@pytest.mark.parametrize("M, K, N", [(1, 64, 32), (7, 200, 96), (33, 576, 160)])
+def test_float_weights_match_a_float64_reference(M, K, N):
+    rng = np.random.default_rng(M + K + N)
+    w = jnp.asarray(rng.standard_normal((K, N)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+    y = np.asarray(jax.jit(native.dot)(x, w))
+    assert np.all(np.abs(y - reference(x, w)) <= bound(x, w))
+
+
+@pytest.mark.parametrize("M", [1, 9, 40])
+def test_codes_and_their_dequantization_give_the_same_bits(M):
+    """Why the kernel does not break the models' float32 / block-quantized parity."""
+    rng = np.random.default_rng(M)
+    w = block_weight(rng, 576, 192, 32)
+    x = jnp.asarray(rng.standard_normal((M, 576)).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(native.dot(x, w)), np.asarray(native.dot(x, w.dequantize())))
+
+
+def test_a_row_does_not_depend_on_the_others():
+    """The verify pass (K + 1 rows) and a one-token step compute a position the same way."""
+    rng = np.random.default_rng(0)
+    w = block_weight(rng, 576, 1536, 32)
+    x = jnp.asarray(rng.standard_normal((13, 576)).astype(np.float32))
+    full = np.asarray(native.dot(x, w))
+    for i in (0, 5, 12):
+        np.testing.assert_array_equal(full[i], np.asarray(native.dot(x[i:i + 1], w))[0])
+
+
+def test_zeros_infinities_and_nans_propagate_as_in_xla():
+    rng = np.random.default_rng(1)
+    w = block_weight(rng, 64, 64, 32)
+    x = np.zeros((4, 64), np.float32)
+    x[1, 3] = -np.inf
+    x[2, 5] = np.nan
+    x[3] = rng.standard_normal(64)
+    y = np.asarray(native.dot(jnp.asarray(x), w))
+    want = np.asarray(jnp.asarray(x) @ w.dequantize())
+    assert np.all(y[0] == 0.0)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(y), np.isinf(want))
+    np.testing.assert_allclose(y[3], want[3], rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_runs_the_kernel_per_example():
+    rng = np.random.default_rng(2)
+    w = block_weight(rng, 64, 96, 32)
+    xs = jnp.asarray(rng.standard_normal((3, 2, 64)).astype(np.float32))
+    ys = jax.vmap(lambda x: native.dot(x, w))(xs)
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(ys[i]), np.asarray(native.dot(xs[i], w)))
+
+
+@pytest.mark.parametrize("x_dtype, N, rows", [(jnp.bfloat16, 64, 1), (jnp.float32, 48, 1),
+                                              (jnp.float32, 64, quant.NATIVE_MAX_ROWS + 1)])
+def test_what_the_kernel_cannot_take_goes_to_xla_unchanged(x_dtype, N, rows):
+    """bf16 activations, columns not a multiple of the tile, prefill-sized row counts: XLA's dot,
+    bit for bit the einsum the model computed before the kernel existed."""
+    rng = np.random.default_rng(N + rows)
+    w = block_weight(rng, 64, N, 32)
+    x = jnp.asarray(rng.standard_normal((1, rows, 64)), x_dtype)
+    dtype = jnp.dtype(x_dtype)
+
+    def run(on):
+        with quant.native_matmul(on):
+            return jax.jit(lambda x, w: quant.contract("btd,df->btf", x, w, 1, dtype))(x, w)
+
+    plain = jax.jit(lambda x, w: jnp.einsum("btd,df->btf", x, w.dequantize(dtype)))(x, w)
+    np.testing.assert_array_equal(np.asarray(run(True), np.float32), np.asarray(plain, np.float32))
+    np.testing.assert_array_equal(np.asarray(run(False), np.float32), np.asarray(plain, np.float32))
+
+
+def test_contract_reshapes_multi_dimensional_weights():
+    """wq [D, H, Dh] and wo [H, Dh, D], as the decoder layer contracts them."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 3, 64)).astype(np.float32))
+    wq = jnp.asarray(rng.standard_normal((64, 4, 16)).astype(np.float32))
+    with quant.native_matmul(True):
+        q = jax.jit(lambda x, w: quant.contract("btd,dhk->bthk", x, w, 1))(x, wq)
+        wo = jnp.asarray(rng.standard_normal((4, 16, 32)).astype(np.float32))
+        o = jax.jit(lambda a, w: quant.contract("bthk,hkd->btd", a, w, 2))(q, wo)
+    np.testing.assert_allclose(np.asarray(q), np.einsum("btd,dhk->bthk", x, wq), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(o), np.einsum("bthk,hkd->btd", q, wo), rtol=1e-5, atol=1e-4)
+
+
+def test_bad_operands_are_named():
+    rng = np.random.default_rng(4)
+    w = block_weight(rng, 64, 64, 32)
+    with pytest.raises(ValueError, match="x has 32 columns, the weight 64 rows"):
+        native.dot(jnp.ones((1, 32), jnp.float32), w)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.dot(jnp.ones((1, 64), jnp.float32), jnp.ones((64, 40), jnp.float32))
+    with pytest.raises(ValueError, match="float32 x"):
+        native.dot(jnp.ones((1, 64), jnp.bfloat16), w)
+
+
+# --- 4-bit codes two per byte ------------------------------------------------------
+
+@pytest.mark.parametrize("lo, hi, signed", [(0, 16, False), (-8, 8, True)])
+@pytest.mark.parametrize("lead", [(), (3,)])
+def test_nibbles_hold_the_codes_and_values(lo, hi, signed, lead):
+    rng = np.random.default_rng(lo + 8 + len(lead))
+    codes = rng.integers(lo, hi, (*lead, 4, 32, 64)).astype(np.int8)
+    codes[..., 0, 0, :2] = [lo, hi - 1]  # both extremes present
+    scale = jnp.asarray(rng.random((*lead, 4, 1, 64)).astype(np.float32))
+    w = quant.BlockQuant(jnp.asarray(codes), scale, scale * 0.5, (128, 64))
+    p = quant.pack_nibbles(w)
+    assert isinstance(p, quant.PackedQuant) and p.signed == signed
+    assert p.nibbles.shape == (*lead, 4, 16, 64) and p.nibbles.dtype == jnp.uint8
+    assert p.nbytes < w.nbytes
+    np.testing.assert_array_equal(np.asarray(p.unpacked().codes), codes)
+    np.testing.assert_array_equal(np.asarray(p.dequantize()), np.asarray(w.dequantize()))
+
+
+@pytest.mark.parametrize("codes, why", [([-9, 0], "below -8"), ([0, 16], "above 15"), ([-1, 9], "mixed signs")])
+def test_codes_wider_than_4_bits_stay_unpacked(codes, why):
+    c = np.zeros((1, 32, 32), np.int8)
+    c[0, 0, :2] = codes
+    w = quant.BlockQuant(jnp.asarray(c), jnp.ones((1, 1, 32)), None, (32, 32))
+    assert quant.pack_nibbles(w) is w, why
+    odd = quant.BlockQuant(jnp.zeros((2, 3, 32), jnp.int8), jnp.ones((2, 1, 32)), None, (6, 32))
+    assert quant.pack_nibbles(odd) is odd  # blocks of an odd size cannot pair rows
+
+
+@pytest.mark.parametrize("M", [1, 3, 9, 20])
+@pytest.mark.parametrize("bs, offset, signed", [(32, True, False), (16, False, True), (32, False, True)])
+def test_nibble_kernel_gives_the_int8_kernels_bits(M, bs, offset, signed):
+    rng = np.random.default_rng(M + bs)
+    lo, hi = (-8, 8) if signed else (0, 16)
+    codes = rng.integers(lo, hi, (192 // bs, bs, 96)).astype(np.int8)
+    scale = (rng.random((192 // bs, 1, 96)) * 0.02).astype(np.float16).astype(np.float32)
+    off = (rng.standard_normal((192 // bs, 1, 96)) * 0.01).astype(np.float16).astype(np.float32)
+    w = quant.BlockQuant(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(off) if offset else None, (192, 96))
+    p = quant.pack_nibbles(w)
+    x = jnp.asarray(rng.standard_normal((M, 192)).astype(np.float32))
+    y = np.asarray(jax.jit(native.dot)(x, p))
+    np.testing.assert_array_equal(y, np.asarray(native.dot(x, w)))
+    np.testing.assert_array_equal(y, np.asarray(native.dot(x, w.dequantize())))
+    assert np.all(np.abs(y - reference(x, w)) <= bound(x, w))
+
+
+# --- in the engine ---------------------------------------------------------------
+
+# MLP width and heads x head_dim multiples of the kernel's tile, so that those matmuls run natively
+SMALL = Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+               num_kv_heads=2, head_dim=16, rope_theta=500.0)
+PROMPTS = [[5, 6, 7, 8, 9], [11], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8]]
+
+
+def _q8_layers(model):
+    """`model` with its MLP and attention output matrices as Q8_0 block codes."""
+    import gguf
+
+    layers = dict(model.params["layers"])
+    for name in ("w_gate", "w_up", "w_down", "wq"):
+        w = np.asarray(layers[name])
+        rows = w.reshape(w.shape[0], w.shape[1], -1)  # [L, in, out]; GGUF blocks run along `in`
+        blocks = [quant.extract_codes(gguf.quants.quantize(np.ascontiguousarray(rows[i].T),
+                                                           gguf.GGMLQuantizationType.Q8_0),
+                                      gguf.GGMLQuantizationType.Q8_0).as_linear(w.shape[1:])
+                  for i in range(w.shape[0])]
+        layers[name] = quant.stack_layers(blocks)
+    return model.with_params({**model.params, "layers": layers})
+
+
+@pytest.fixture(scope="module")
+def small_q8():
+    return _q8_layers(random_model(SMALL, seed=5))
+
+
+@pytest.mark.parametrize("draft, method", [(None, "greedy"), ("pld", "fly"), ("model", "exact")])
+def test_native_and_xla_matmuls_give_the_same_tokens(small_q8, draft, method):
+    draft = random_model(dataclasses.replace(SMALL, num_layers=1), seed=3) if draft == "model" else draft
+    settings = dict(draft=draft, method=method, k=3, max_new_tokens=8, eos_ids=())
+    a = specjax.Engine(small_q8, **settings, matmul="native").generate(PROMPTS)
+    b = specjax.Engine(small_q8, **settings, matmul="xla").generate(PROMPTS)
+    assert a.tokens == b.tokens and a.stats == b.stats
+
+
+def test_the_native_program_calls_the_kernel_and_the_xla_one_does_not(small_q8):
+    from specjax.models import llama
+
+    def hlo(on):
+        cache = llama.init_cache(SMALL, 1, 32)
+        with quant.native_matmul(on):
+            step = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c)[0])
+            return step.lower(small_q8.params, jnp.ones((1, 1), jnp.int32), cache).as_text()
+
+    assert "specjax_blockdot" in hlo(True) and "specjax_densedot" in hlo(True)
+    assert "specjax_" not in hlo(False)
+
+
+def test_the_engine_packs_4_bit_layers_only_for_the_native_kernel(small_q8):
+    import gguf
+
+    from specjax.models import llama
+
+    q4 = small_q8.params["layers"]
+    w = np.asarray(random_model(SMALL, seed=5).params["layers"]["w_up"])  # [L, D, F]
+    blocks = [quant.extract_codes(gguf.quants.quantize(np.ascontiguousarray(w[i].T), gguf.GGMLQuantizationType.Q4_1),
+                                  gguf.GGMLQuantizationType.Q4_1).as_linear(w.shape[1:]) for i in range(w.shape[0])]
+    model = small_q8.with_params({**small_q8.params, "layers": {**q4, "w_up": quant.stack_layers(blocks)}})
+    kinds = lambda e: {k: type(v).__name__ for k, v in e.params.target["layers"].items()  # noqa: E731
+                       if quant.is_quantized(v)}
+    native_engine = specjax.Engine(model, matmul="native", max_new_tokens=4, eos_ids=())
+    xla_engine = specjax.Engine(model, matmul="xla", max_new_tokens=4, eos_ids=())
+    assert kinds(native_engine)["w_up"] == "PackedQuant" and kinds(native_engine)["w_gate"] == "BlockQuant"  # Q8_0
+    assert set(kinds(xla_engine).values()) == {"BlockQuant"}
+    assert native_engine.generate(PROMPTS).tokens == xla_engine.generate(PROMPTS).tokens
+    # a prefill-sized forward (XLA's dot) reads the packed weights too
+    tokens = jnp.asarray(np.arange(quant.NATIVE_MAX_ROWS + 2)[None] % SMALL.vocab_size)
+    np.testing.assert_array_equal(np.asarray(llama.forward(SMALL, native_engine.params.target, tokens)),
+                                  np.asarray(llama.forward(SMALL, model.params, tokens)))
+
+
+def test_matmul_setting_is_checked(small_q8):
+    with pytest.raises(ValueError, match="matmul must be 'auto', 'native' or 'xla'"):
+        specjax.Engine(small_q8, matmul="fast")
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="matmul='native' runs on one device"):
+        specjax.Engine(small_q8, matmul="native", mesh=mesh)
