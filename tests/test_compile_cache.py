@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, jax
@@ -42,6 +44,7 @@ def test_second_process_loads_the_compiled_program(tmp_path):
     assert second["hits"] >= 1 and second["tokens"] == first["tokens"]
 
 
+@pytest.mark.heavy
 def test_cache_can_be_switched_off(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     off = run("off")

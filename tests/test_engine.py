@@ -128,6 +128,7 @@ def test_bad_settings(tiny, kwargs, match):
         specjax.Engine(tiny, **kwargs)
 
 
+@pytest.mark.heavy
 @pytest.mark.parity
 @pytest.mark.smollm2
 @pytest.mark.slow
@@ -192,7 +193,8 @@ def _quantized_layers(model):
     return model.with_params({**model.params, "layers": layers})
 
 
-@pytest.mark.parametrize("draft, method", [(None, "greedy"), ("pld", "fly"), ("model", "exact")])
+@pytest.mark.parametrize("draft, method", [(None, "greedy"), pytest.param("pld", "fly", marks=pytest.mark.heavy),
+                                           pytest.param("model", "exact", marks=pytest.mark.heavy)])
 def test_unrolled_layers_give_the_stacked_tokens(tiny, draft, method):
     """layers="unrolled": the same tokens and statistics, block-quantized layers read as float arrays."""
     from specjax.models import llama, quant

@@ -47,6 +47,7 @@ def test_ragged_batch_of_four_is_exact(smollm2, prompts, baseline, draft, method
     assert out.stats["loose"] == 0
 
 
+@pytest.mark.heavy
 def test_batch_one_is_exact_and_multilevel_too(smollm2, prompts, baseline):
     engines = [specjax.Engine(smollm2, draft="pld", k=8, max_new_tokens=NEW),
                specjax.Engine(smollm2, draft=("pld", smollm2), k=4, max_new_tokens=NEW)]

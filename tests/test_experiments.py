@@ -122,6 +122,7 @@ def test_generate_prints_text_and_statistics(env, tmp_path):
     assert len(record["stats"]["tau_per_request"]) == 2
 
 
+@pytest.mark.heavy
 def test_calibrate_csd_saves_a_memory_that_every_binary_loads(env, tmp_path):
     from experiments import _common as C
 
@@ -196,6 +197,7 @@ def test_calibrations_share_their_greedy_decoding_through_the_cache(env, tmp_pat
     assert "greedy decoding" in err and len(list(cache.glob("calibration-*.npz"))) == 2
 
 
+@pytest.mark.heavy
 def test_sweep_writes_csv_and_plots(env, tmp_path):
     import csv
 
