@@ -64,8 +64,10 @@ _CSV = flags.DEFINE_string("csv", "benchmark.csv", "Where to write the per-confi
 _BUCKET = flags.DEFINE_integer("prompt_bucket", 64, "Prompts are padded to a multiple of this many tokens "
                                "(Engine's prompt_bucket): one program per engine and bucket, compiled before "
                                "the timings.")
-_LAYERS = flags.DEFINE_enum("layers", "stacked", ["stacked", "unrolled"], "Layer layout of every specjax "
-                            "engine (Engine(layers=...); unrolled: one device, float weights, longer compiles).")
+_LAYERS = flags.DEFINE_enum("layers", "auto", ["auto", "stacked", "unrolled"], "Layer layout of every specjax "
+                            "engine (Engine(layers=...); auto: unrolled where the native CPU kernel runs).")
+_MATMUL = flags.DEFINE_enum("matmul", "auto", ["auto", "native", "xla"], "Matmul path of every specjax engine "
+                            "(Engine(matmul=...); auto: the native CPU kernel on one CPU device).")
 _MESH = flags.DEFINE_string("mesh", "", "DATA,MODEL: run every engine on a jax.make_mesh((DATA, MODEL), "
                             "('data', 'model')) mesh (batch 1: DATA must be 1); empty: one device. The "
                             "per-device bytes of parameters and caches are printed either way.")
@@ -132,7 +134,7 @@ def main(argv):
         _log(f"llama.cpp peer: {', '.join(llama_peer)}; prompt depths {[len(ids) for _, ids in prompts]}")
     eos = None if _EOS.value else ()
     baseline = specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=eos, mesh=mesh, layers=_LAYERS.value,
-                              prompt_bucket=_BUCKET.value)
+                              matmul=_MATMUL.value, prompt_bucket=_BUCKET.value)
     configs = {}
     for spec in _DRAFTS.value:
         draft, label = C.resolve_draft(spec, _MODEL.value), spec
@@ -144,7 +146,7 @@ def main(argv):
             configs[(label, method)] = specjax.Engine(
                 target, draft=draft, method=rule, k=_K.value, max_new_tokens=_NEW.value, temperature=T,
                 seed=_SEED.value, eos_ids=eos, mesh=mesh, prompt_bucket=_BUCKET.value, layers=_LAYERS.value,
-                **opts)
+                matmul=_MATMUL.value, **opts)
 
     peer = _make_peer(target, _DRAFTS.value) if "transformers" in _PEER.value else {}
     _log(f"compiling {1 + len(configs)} programs over {len(prompts)} prompts ...")

@@ -46,13 +46,21 @@ class GenerateOutput:
 
 
 def _pack(params, dtype):
-    """Stacked layers' block codes that fit in 4 bits as `quant.PackedQuant` (float32 models
-    only: the kernel computes in float32; bfloat16 activations go to XLA's dot)."""
+    """Block codes in the native kernel's order (`quant.PackedQuant`): the stacked layers' codes
+    (4-bit ones two per byte), and a tile-major copy of the LM head's codes as `head_tiles` (the
+    embedding lookup keeps the table as it is). Float32 models only: the kernel computes in
+    float32; bfloat16 activations go to XLA's dot."""
     if not isinstance(params, dict) or "layers" not in params or jnp.dtype(dtype) != jnp.float32:
         return params
-    layers = jax.tree.map(lambda w: quant.pack_nibbles(w) if isinstance(w, quant.BlockQuant) else w,
+    layers = jax.tree.map(lambda w: quant.pack_for_native(w) if isinstance(w, quant.BlockQuant) else w,
                           params["layers"], is_leaf=lambda w: isinstance(w, quant.BlockQuant))
-    return {**params, "layers": layers}
+    out = {**params, "layers": layers}
+    head = params.get("lm_head", params.get("embed"))
+    if isinstance(head, quant.BlockQuant) and head.codes.ndim == 3:
+        tiles = quant.tile_codes(head)
+        if isinstance(tiles, quant.PackedQuant):
+            out["head_tiles"] = tiles
+    return out
 
 
 class Engine:
@@ -72,16 +80,18 @@ class Engine:
     longest prompt is padded to, or None for a geometric ladder of widths (`prompt_width`;
     the program's shapes follow from the width, so fewer widths compile fewer programs).
     Compiled programs are kept on disk (`specjax.compile_cache`).
-    layers: "stacked" (a scan over layers: compile time independent of depth, block-quantized
-    weights kept as codes) or "unrolled" (one device only: a loop of layers, each with its own
-    float arrays; on XLA:CPU measurably faster per token, since the scan copies every layer's
-    weights and dequantizes codes into a buffer before each dot; it compiles for longer and
-    holds float weights; the logits agree to an ulp or so; `llama.unstack_layers`).
     matmul: "auto" (decode-sized matmuls on an unsharded CPU program run in specjax.native's
     kernel, which reads block codes inside the dot; elsewhere XLA's dot), "native" (required:
     an error where it cannot run) or "xla" (always XLA's dot). The kernel's logits agree with
     XLA's to float32 rounding, and are the same bit for bit from block codes or from their
     float32 dequantization.
+    layers: "stacked" (a scan over layers: compile time independent of depth, block-quantized
+    weights kept as codes), "unrolled" (one device only: a loop of layers, each with its own
+    arrays; with the native kernel 4-bit codes are packed two per byte, tile by tile, and
+    streamed where they lie, without the scan's per-step copy of each layer; with XLA's dot,
+    float arrays, which XLA:CPU reads faster than codes it must dequantize into a buffer;
+    compiles for longer; `llama.unstack_layers`), or "auto" (unrolled where the native kernel
+    runs, stacked elsewhere: on a mesh, on GPU/TPU).
     mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a
     `sharding.MeshConfig` (rules, attention "auto"/"replicate"/"pad", draft "shard"/"replicate");
     params are placed once, caches and logits are constrained inside the program, and the
@@ -91,7 +101,7 @@ class Engine:
     def __init__(self, target: Model, draft=None, method: str | verify.Rule = "greedy", k: int = 8,
                  max_new_tokens: int = 128, max_len: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, mesh=None, eos_ids: Sequence[int] | None = None,
-                 pld_match: str = "earliest", prompt_bucket: int | None = None, layers: str = "stacked",
+                 pld_match: str = "earliest", prompt_bucket: int | None = None, layers: str = "auto",
                  matmul: str = "auto", **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
@@ -113,8 +123,8 @@ class Engine:
             raise ValueError(f"prompt_bucket must be a positive integer or None, got {prompt_bucket!r}")
         if pld_match not in ("earliest", "latest"):
             raise ValueError(f"pld_match must be 'earliest' or 'latest', got {pld_match!r}")
-        if layers not in ("stacked", "unrolled"):
-            raise ValueError(f"layers must be 'stacked' or 'unrolled', got {layers!r}")
+        if layers not in ("auto", "stacked", "unrolled"):
+            raise ValueError(f"layers must be 'auto', 'stacked' or 'unrolled', got {layers!r}")
         if layers == "unrolled" and mesh is not None:
             raise ValueError("layers='unrolled' runs on one device; on a mesh the stacked layers are sharded "
                              "(pass mesh=None or layers='stacked')")
@@ -127,6 +137,9 @@ class Engine:
             if jax.default_backend() != "cpu" or not native.available():
                 raise ValueError(f"matmul='native' needs the CPU kernel (backend {jax.default_backend()!r}, "
                                  f"built: {native.available()}; see specjax.native)")
+        uses_native = matmul == "native" or (matmul == "auto" and mesh is None and quant.default_native())
+        if layers == "auto":
+            layers = "unrolled" if uses_native else "stacked"
         self.layers, self.matmul = layers, matmul
         self.target, self.k = target, int(k)
         self.prompt_bucket = None if prompt_bucket is None else int(prompt_bucket)
@@ -146,16 +159,16 @@ class Engine:
         self.layout = None if mesh_config is None else sharding.make_layout(
             mesh_config, target.config, getattr(getattr(self.drafter, "model", self.drafter), "config", None))
         self.params = loop.Params(target=target.params, draft=draft_params)
+        draft_dtype = getattr(getattr(self.drafter, "model", self.drafter), "dtype", target.dtype)
+        if uses_native and layers == "unrolled":
+            # 4-bit layer codes two per byte, tile by tile: the native kernel streams half the bytes
+            # (measured: a scan's per-step slice of packed tiles costs more than it saves)
+            self.params = loop.Params(target=_pack(self.params.target, target.dtype),
+                                      draft=_pack(self.params.draft, draft_dtype))
         if layers == "unrolled":  # the draft model too (prompt lookup has no params)
             unroll = lambda p, dtype: llama.unstack_layers(p, dtype) if isinstance(p, dict) and "layers" in p else p  # noqa: E731
-            draft_dtype = getattr(getattr(self.drafter, "model", self.drafter), "dtype", target.dtype)
-            self.params = loop.Params(target=unroll(target.params, target.dtype),
-                                      draft=unroll(draft_params, draft_dtype))
-        if layers == "stacked" and (matmul == "native" or (matmul == "auto" and mesh is None
-                                                            and quant.default_native())):
-            # 4-bit layer codes two per byte: the native kernel reads half the code bytes
-            self.params = loop.Params(target=_pack(self.params.target, target.dtype),
-                                      draft=_pack(self.params.draft, target.dtype))
+            self.params = loop.Params(target=unroll(self.params.target, target.dtype),
+                                      draft=unroll(self.params.draft, draft_dtype))
         if self.layout is not None:
             self.params = loop.Params(
                 target=sharding.place(target.params, self.layout.param_shardings(target.params)),

@@ -162,7 +162,7 @@ def test_nibbles_hold_the_codes_and_values(lo, hi, signed, lead):
     w = quant.BlockQuant(jnp.asarray(codes), scale, scale * 0.5, (128, 64))
     p = quant.pack_nibbles(w)
     assert isinstance(p, quant.PackedQuant) and p.signed == signed
-    assert p.nibbles.shape == (*lead, 4, 16, 64) and p.nibbles.dtype == jnp.uint8
+    assert p.data.shape == (*lead, 2, 64, 32) and p.data.dtype == jnp.uint8
     assert p.nbytes < w.nbytes
     np.testing.assert_array_equal(np.asarray(p.unpacked().codes), codes)
     np.testing.assert_array_equal(np.asarray(p.dequantize()), np.asarray(w.dequantize()))
@@ -246,27 +246,55 @@ def test_the_native_program_calls_the_kernel_and_the_xla_one_does_not(small_q8):
     assert "specjax_" not in hlo(False)
 
 
-def test_the_engine_packs_4_bit_layers_only_for_the_native_kernel(small_q8):
+def _quantize(w, qtype):
+    """float [D, F] -> BlockQuant of GGUF type `qtype` (blocks along D)."""
     import gguf
 
+    T = getattr(gguf.GGMLQuantizationType, qtype)
+    return quant.extract_codes(gguf.quants.quantize(np.ascontiguousarray(np.asarray(w).T), T), T).as_linear(w.shape)
+
+
+def test_the_engine_packs_codes_only_for_the_native_kernel(small_q8):
+    """Unrolled native layers hold 4-bit codes two per byte and int8 codes tile by tile, and the
+    head a tile-major copy of the table; the tokens stay those of XLA's stacked program."""
     from specjax.models import llama
 
-    q4 = small_q8.params["layers"]
-    w = np.asarray(random_model(SMALL, seed=5).params["layers"]["w_up"])  # [L, D, F]
-    blocks = [quant.extract_codes(gguf.quants.quantize(np.ascontiguousarray(w[i].T), gguf.GGMLQuantizationType.Q4_1),
-                                  gguf.GGMLQuantizationType.Q4_1).as_linear(w.shape[1:]) for i in range(w.shape[0])]
-    model = small_q8.with_params({**small_q8.params, "layers": {**q4, "w_up": quant.stack_layers(blocks)}})
-    kinds = lambda e: {k: type(v).__name__ for k, v in e.params.target["layers"].items()  # noqa: E731
-                       if quant.is_quantized(v)}
-    native_engine = specjax.Engine(model, matmul="native", max_new_tokens=4, eos_ids=())
+    base = random_model(SMALL, seed=5)
+    w_up = np.asarray(base.params["layers"]["w_up"])  # [L, D, F]
+    layers = {**small_q8.params["layers"], "w_up": quant.stack_layers([_quantize(w, "Q4_1") for w in w_up])}
+    head = "lm_head" if "lm_head" in base.params else "embed"
+    model = small_q8.with_params({**small_q8.params, "layers": layers, head: _quantize(base.params[head], "Q8_0")})
+    native_engine = specjax.Engine(model, matmul="native", max_new_tokens=4, eos_ids=())  # layers "auto"
+    stacked_native = specjax.Engine(model, matmul="native", layers="stacked", max_new_tokens=4, eos_ids=())
     xla_engine = specjax.Engine(model, matmul="xla", max_new_tokens=4, eos_ids=())
-    assert kinds(native_engine)["w_up"] == "PackedQuant" and kinds(native_engine)["w_gate"] == "BlockQuant"  # Q8_0
-    assert set(kinds(xla_engine).values()) == {"BlockQuant"}
-    assert native_engine.generate(PROMPTS).tokens == xla_engine.generate(PROMPTS).tokens
-    # a prefill-sized forward (XLA's dot) reads the packed weights too
+    assert native_engine.layers == "unrolled" and xla_engine.layers == "stacked"
+    layer = native_engine.params.target["layer_1"]
+    assert isinstance(layer["w_up"], quant.PackedQuant) and layer["w_up"].bits == 4
+    assert isinstance(layer["w_gate"], quant.PackedQuant) and layer["w_gate"].bits == 8  # Q8_0
+    head = native_engine.params.target["head_tiles"]
+    assert isinstance(head, quant.PackedQuant) and head.bits == 8 and head.shape == (SMALL.hidden_size, SMALL.vocab_size)
+    for engine in (xla_engine, stacked_native):
+        assert "head_tiles" not in engine.params.target
+        assert all(isinstance(v, quant.BlockQuant) for v in engine.params.target["layers"].values() if quant.is_quantized(v))
+    expected = xla_engine.generate(PROMPTS).tokens
+    assert native_engine.generate(PROMPTS).tokens == expected == stacked_native.generate(PROMPTS).tokens
+    # a prefill-sized forward (XLA's dot) reads the packed weights too: the same values
     tokens = jnp.asarray(np.arange(quant.NATIVE_MAX_ROWS + 2)[None] % SMALL.vocab_size)
-    np.testing.assert_array_equal(np.asarray(llama.forward(SMALL, native_engine.params.target, tokens)),
-                                  np.asarray(llama.forward(SMALL, model.params, tokens)))
+    with quant.native_matmul(False):
+        np.testing.assert_allclose(np.asarray(llama.forward(SMALL, native_engine.params.target, tokens)),
+                                   np.asarray(llama.forward(SMALL, model.params, tokens)), rtol=1e-5, atol=1e-5)
+
+
+def test_tile_major_int8_codes_give_the_row_major_bits():
+    rng = np.random.default_rng(6)
+    w = block_weight(rng, 96, 64, 32, codes_range=100)
+    t = quant.tile_codes(w)
+    assert isinstance(t, quant.PackedQuant) and t.bits == 8 and t.data.shape == (2, 96, 32)
+    np.testing.assert_array_equal(np.asarray(t.unpacked().codes), np.asarray(w.codes))
+    assert isinstance(quant.pack_for_native(w), quant.PackedQuant) and quant.pack_for_native(w).bits == 8
+    for M in (1, 5, 12):
+        x = jnp.asarray(rng.standard_normal((M, 96)).astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(native.dot(x, t)), np.asarray(native.dot(x, w)))
 
 
 def test_matmul_setting_is_checked(small_q8):

@@ -173,6 +173,8 @@ class Transformer(nn.Module):
         x_BTD = RMSNorm(c.rms_norm_eps, name="final_norm")(x_BTD)
         # float or block-quantized alike, a vocabulary chunk at a time (see quant.matmul_columns)
         head_DV = embed_DV if c.tie_embeddings else _weight(self, "lm_head", (c.hidden_size, c.vocab_size))
+        if self.has_variable("params", "head_tiles"):  # the head's codes in the native kernel's order
+            head_DV = self.get_variable("params", "head_tiles")
         logits_BTV = quant.matmul_columns(x_BTD, head_DV, self.dtype)
         if c.vocab_used is not None and c.vocab_used < c.vocab_size:  # padding ids are never chosen
             real_V = jnp.arange(c.vocab_size) < c.vocab_used
@@ -222,6 +224,8 @@ def unstack_layers(params, dtype=jnp.float32):
     cannot fuse the two); separate float arrays are read by the dot where they lie. Measured on a
     2-core Xeon (experiments/profile_step.py): SmolLM2-135M's decode step 1.4x faster. The cost:
     compile time grows with depth, and the weights take float bytes (3.2x a Q4_1 file's codes).
+    `quant.PackedQuant` matrices (made for the native CPU kernel) stay packed, one per layer: the
+    kernel streams them where they lie, with no slice copied per step.
     """
     if is_unrolled(params):
         return params
@@ -232,11 +236,13 @@ def unstack_layers(params, dtype=jnp.float32):
             if isinstance(x, quant.BlockQuant):
                 return quant.BlockQuant(x.codes[i], x.scale[i], None if x.offset is None else x.offset[i],
                                         x.shape).dequantize(dtype)
+            if isinstance(x, quant.PackedQuant):  # made for the native kernel, which reads it in place
+                return jax.tree.map(lambda a: jnp.array(a[i]), x)
             return jnp.asarray(x[i])  # float weights keep the dtype they are stored in
-        return jax.tree.map(one, params["layers"], is_leaf=lambda x: isinstance(x, quant.BlockQuant))
+        return jax.tree.map(one, params["layers"], is_leaf=quant.is_quantized)
 
-    n = jax.tree.leaves(params["layers"], is_leaf=lambda x: isinstance(x, quant.BlockQuant))[0]
-    n = (n.codes if isinstance(n, quant.BlockQuant) else n).shape[0]
+    n = jax.tree.leaves(params["layers"], is_leaf=quant.is_quantized)[0]
+    n = (n.codes if isinstance(n, quant.BlockQuant) else n.data if isinstance(n, quant.PackedQuant) else n).shape[0]
     out = {k: v for k, v in params.items() if k != "layers"}
     out.update({f"layer_{i}": jax.block_until_ready(layer(i)) for i in range(n)})
     return out

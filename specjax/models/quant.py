@@ -56,19 +56,28 @@ class BlockQuant:
         return w.reshape(*lead, *self.shape).astype(dtype)
 
 
+# Columns per tile of a PackedQuant: the native kernel's tile (specjax/native/blockdot.cc, kCols).
+PACK_COLUMNS = 32
+
+
 @struct.dataclass
 class PackedQuant:
-    """A BlockQuant whose codes fit in 4 bits, held two per byte: half the code bytes, for the
-    native CPU kernel, which reads them as they lie (`pack_nibbles`; never on a mesh).
+    """A BlockQuant's codes in the native CPU kernel's order: each tile of 32 columns one
+    contiguous stream, which the kernel reads where it lies, and 4-bit codes two per byte (half
+    the code bytes). The engine makes them only for that kernel (`pack_nibbles`, `tile_codes`),
+    never on a mesh.
 
-    nibbles: uint8[..., in/bs, bs/2, out]; byte j of a block holds the codes of rows 2j (low
-    nibble) and 2j + 1 (high nibble), as unsigned 0..15 or, with `signed`, two's complement -8..7.
+    data: bits 4: uint8[..., out/32, in/2, 32]: tile t, byte j holds the codes of rows 2j (low
+    nibble) and 2j + 1 (high nibble) of columns 32t .. 32t + 31, as unsigned 0..15 or, with
+    `signed`, two's complement -8..7; bits 8: int8[..., out/32, in, 32].
+    scale / offset: float32[..., out/32, in/bs, 32].
     """
 
-    nibbles: jax.Array
+    data: jax.Array
     scale: jax.Array
     offset: jax.Array | None
     shape: tuple[int, ...] = struct.field(pytree_node=False)
+    bits: int = struct.field(pytree_node=False, default=4)
     signed: bool = struct.field(pytree_node=False, default=False)
 
     @property
@@ -77,28 +86,44 @@ class PackedQuant:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (self.nibbles, self.scale, self.offset)
+        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (self.data, self.scale, self.offset)
                    if a is not None)
 
     def unpacked(self) -> BlockQuant:
-        """The same weight with one int8 code per weight."""
-        b = self.nibbles.astype(jnp.int32)
-        lo, hi = b & 15, b >> 4
-        if self.signed:
-            lo, hi = lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)
-        codes = jnp.stack([lo, hi], axis=-2)  # [..., in/bs, bs/2, 2, out]
-        codes = codes.reshape(*b.shape[:-2], 2 * b.shape[-2], b.shape[-1]).astype(jnp.int8)
-        return BlockQuant(codes, self.scale, self.offset, self.shape)
+        """The same weight as a BlockQuant (one int8 code per weight, row-major)."""
+        if self.bits == 4:
+            b = self.data.astype(jnp.int32)  # [..., T, K/2, 32]
+            lo, hi = b & 15, b >> 4
+            if self.signed:
+                lo, hi = lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)
+            codes = jnp.stack([lo, hi], axis=-2).reshape(*b.shape[:-2], 2 * b.shape[-2], b.shape[-1])
+        else:
+            codes = self.data
+        *lead, T, K, C = codes.shape
+        nb = self.scale.shape[-2]
+        codes = codes.reshape(*lead, T, nb, K // nb, C)  # [..., T, nb, bs, 32]
+        rows = lambda a: jnp.moveaxis(a, -4, -2).reshape(*a.shape[:-4], a.shape[-3], a.shape[-2], T * C)  # noqa: E731
+        side = lambda a: None if a is None else rows(a[..., None, :])  # [..., T, nb, 1, 32] -> [..., nb, 1, N]
+        return BlockQuant(rows(codes).astype(jnp.int8), side(self.scale), side(self.offset), self.shape)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return self.unpacked().dequantize(dtype)
 
 
+def _tiles(a, lead):
+    """[..., nb, r, N] -> [..., N/32, nb * r, 32] (each tile's rows contiguous)."""
+    a = np.asarray(a)
+    a = a.reshape(*a.shape[:-1], a.shape[-1] // PACK_COLUMNS, PACK_COLUMNS)
+    return np.ascontiguousarray(np.moveaxis(a, -2, -4)).reshape(*lead, a.shape[-2], -1, PACK_COLUMNS)
+
+
 def pack_nibbles(w: BlockQuant):
-    """`w` as a PackedQuant when every code fits in 4 bits (Q4_0: -8..7; Q4_1/Q4_K: 0..15) and
-    its blocks have an even size; otherwise `w` unchanged. Runs on the host."""
-    codes = np.asarray(w.codes)
-    if codes.shape[-2] % 2 or codes.size == 0:
+    """`w` as a 4-bit PackedQuant when every code fits in 4 bits (Q4_0: -8..7; Q4_1/Q4_K:
+    0..15), its blocks have an even size and its columns fill tiles; otherwise `w` unchanged.
+    On the host."""
+    codes = np.asarray(w.codes)  # [..., nb, bs, N]
+    *lead, nb, bs, N = codes.shape
+    if bs % 2 or N % PACK_COLUMNS or codes.size == 0:
         return w
     lo, hi = int(codes.min()), int(codes.max())
     if 0 <= lo and hi <= 15:
@@ -108,8 +133,27 @@ def pack_nibbles(w: BlockQuant):
     else:
         return w
     nib = codes.astype(np.uint8) & 15  # two's complement keeps a signed code's low 4 bits
-    packed = nib[..., 0::2, :] | (nib[..., 1::2, :] << 4)
-    return PackedQuant(jnp.asarray(packed), w.scale, w.offset, w.shape, signed)
+    packed = nib[..., 0::2, :] | (nib[..., 1::2, :] << 4)  # [..., nb, bs/2, N]
+    return PackedQuant(jnp.asarray(_tiles(packed, lead)), jnp.asarray(_tiles(w.scale, lead)),
+                       None if w.offset is None else jnp.asarray(_tiles(w.offset, lead)), w.shape, 4, signed)
+
+
+def tile_codes(w: BlockQuant):
+    """`w` as an 8-bit PackedQuant (its int8 codes tile by tile) when its columns fill tiles;
+    otherwise `w` unchanged. On the host."""
+    codes = np.asarray(w.codes)
+    *lead, nb, bs, N = codes.shape
+    if N % PACK_COLUMNS or codes.size == 0:
+        return w
+    return PackedQuant(jnp.asarray(_tiles(codes, lead)), jnp.asarray(_tiles(w.scale, lead)),
+                       None if w.offset is None else jnp.asarray(_tiles(w.offset, lead)), w.shape, 8)
+
+
+def pack_for_native(w: BlockQuant):
+    """`w` in the native kernel's order: 4-bit codes two per byte where they fit, else int8
+    codes tile by tile; `w` unchanged where its columns do not fill tiles."""
+    packed = pack_nibbles(w)
+    return packed if isinstance(packed, PackedQuant) else tile_codes(w)
 
 
 def is_quantized(w) -> bool:
@@ -239,6 +283,8 @@ def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int | None = N
         from specjax import native
 
         return native.dot(x_BTD.reshape(B * T, shape[0]), w).reshape(B, T, shape[1])
+    if isinstance(w, PackedQuant):
+        w = w.unpacked()
     if chunk is None:
         chunk = _head_chunk[-1] if _head_chunk[-1] is not None else default_head_chunk()
     if chunk == 0:

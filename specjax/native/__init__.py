@@ -106,14 +106,14 @@ def supports(x, w) -> bool:
         return (w.codes.ndim == 3 and w.codes.dtype == jnp.int8 and w.scale.dtype == jnp.float32
                 and w.codes.shape[-1] % COLUMNS == 0)
     if isinstance(w, PackedQuant):
-        return (w.nibbles.ndim == 3 and w.nibbles.dtype == jnp.uint8 and w.scale.dtype == jnp.float32
-                and w.nibbles.shape[-1] % COLUMNS == 0)
+        return (w.data.ndim == 3 and w.data.dtype == (jnp.uint8 if w.bits == 4 else jnp.int8)
+                and w.scale.dtype == jnp.float32 and w.data.shape[-1] == COLUMNS)
     return w.ndim == 2 and w.dtype == jnp.float32 and w.shape[-1] % COLUMNS == 0
 
 
 def dot(x_MK: jax.Array, w) -> jax.Array:
     """float32[M, N] = x @ w, with w a float32 [K, N] array, a BlockQuant (codes [K/bs, bs, N])
-    or a PackedQuant (nibbles [K/bs, bs/2, N])."""
+    or a PackedQuant (tile-major codes [N/32, K or K/2, 32])."""
     from specjax.models.quant import BlockQuant, PackedQuant
 
     if not available():
@@ -123,19 +123,24 @@ def dot(x_MK: jax.Array, w) -> jax.Array:
                          f"multiple of {COLUMNS}; got x {x_MK.dtype}, weight {getattr(w, 'shape', None)}")
     M, K = x_MK.shape
     out = lambda n: jax.ShapeDtypeStruct((M, n), jnp.float32)  # noqa: E731
-    if isinstance(w, (BlockQuant, PackedQuant)):
-        codes = w.codes if isinstance(w, BlockQuant) else w.nibbles
-        nb, rows, N = codes.shape
-        per = 1 if isinstance(w, BlockQuant) else 2  # weights per byte
-        if nb * rows * per != K:
-            raise ValueError(f"x has {K} columns, the weight {nb * rows * per} rows")
+    if isinstance(w, BlockQuant):
+        nb, bs, N = w.codes.shape
+        if nb * bs != K:
+            raise ValueError(f"x has {K} columns, the weight {nb * bs} rows")
         scale = w.scale.reshape(nb, N)
         offset = w.offset.reshape(nb, N) if w.offset is not None else scale  # unread without an offset
-        if isinstance(w, BlockQuant):
-            return jax.ffi.ffi_call("specjax_blockdot", out(N), vmap_method="sequential")(
-                x_MK, codes.reshape(K, N), scale, offset, has_offset=w.offset is not None)
-        return jax.ffi.ffi_call("specjax_nibbledot", out(N), vmap_method="sequential")(
-            x_MK, codes.reshape(K // 2, N), scale, offset, has_offset=w.offset is not None, is_signed=w.signed)
+        return jax.ffi.ffi_call("specjax_blockdot", out(N), vmap_method="sequential")(
+            x_MK, w.codes.reshape(K, N), scale, offset, has_offset=w.offset is not None)
+    if isinstance(w, PackedQuant):
+        T, rows, C = w.data.shape
+        if rows * (8 // w.bits) != K:
+            raise ValueError(f"x has {K} columns, the weight {rows * (8 // w.bits)} rows")
+        offset = w.offset if w.offset is not None else w.scale  # unread without an offset
+        if w.bits == 8:  # the int8 kernel, tile-major (3-d codes)
+            return jax.ffi.ffi_call("specjax_blockdot", out(T * C), vmap_method="sequential")(
+                x_MK, w.data, w.scale, offset, has_offset=w.offset is not None)
+        return jax.ffi.ffi_call("specjax_nibbledot", out(T * C), vmap_method="sequential")(
+            x_MK, w.data, w.scale, offset, has_offset=w.offset is not None, is_signed=w.signed)
     if w.shape[0] != K:
         raise ValueError(f"x has {K} columns, the weight {w.shape[0]} rows")
     return jax.ffi.ffi_call("specjax_densedot", out(w.shape[1]), vmap_method="sequential")(x_MK, w)

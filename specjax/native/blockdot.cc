@@ -34,22 +34,22 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Vectors of the widest float SIMD the compiler targets; a tile is two of them.
+// Vectors of the widest float SIMD the compiler targets; a tile of 32 columns is 2 or 4 of them.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #else
 constexpr int kLanes = 8;
 #endif
 typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
-constexpr int kVecs = 2;
-constexpr int64_t kCols = kLanes * kVecs;  // columns per tile (the Python side asks for N % 32 == 0)
+constexpr int64_t kCols = 32;  // columns per tile (the Python side asks for N % 32 == 0)
+constexpr int kVecs = kCols / kLanes;
 // rows sharing one pass over a tile's weights: their accumulators fill half the vector registers
 #if defined(__AVX512F__)
 constexpr int64_t kRows = 8;
 #else
-constexpr int64_t kRows = 4;
+constexpr int64_t kRows = 2;
 #endif
-constexpr int64_t kTilesPerClaim = 8;  // 256 adjacent columns: a claim reads whole cache lines
+constexpr int64_t kTilesPerClaim = 8;  // at most: 256 adjacent columns read whole cache lines
 constexpr int64_t kChunk = 64;         // rows of weights read across a claim's columns at a time
 
 template <typename V, typename T>
@@ -102,13 +102,19 @@ inline void LoadNibbles(const uint8_t* p, VecF* lo, VecF* hi) {
 // How the weights are held.
 enum class Codes { kDense, kInt8, kU4, kS4 };
 
+// Int8 codes and floats come row-major ([K, N], scales [K / bs, N]); nibbles come tile-major
+// (quant.PackedQuant: [N / 32, K / 2, 32], scales [N / 32, K / bs, 32]), so that a tile's weights
+// are one contiguous stream. `Rows(t)` is where tile t's rows start and `stride` the step between
+// rows, for the codes and for the scales.
 struct Weights {
-  const uint8_t* nibbles = nullptr;  // kU4 / kS4: [K / 2, N]
-  const int8_t* codes = nullptr;  // block: [K, N]
-  const float* scale = nullptr;   // block: [K / bs, N]
-  const float* offset = nullptr;  // block: [K / bs, N] or null
-  const float* dense = nullptr;   // float: [K, N]
+  const uint8_t* nibbles = nullptr;  // kU4 / kS4
+  const int8_t* codes = nullptr;     // kInt8
+  const float* scale = nullptr;
+  const float* offset = nullptr;     // or null
+  const float* dense = nullptr;      // kDense
   int64_t bs = 1;
+  int64_t code_stride = 0, side_stride = 0;  // elements between consecutive rows
+  int64_t code_tile = 0, side_tile = 0;      // elements between consecutive tiles
 };
 
 // Rows k0 .. k1 - 1 of one tile of kCols columns starting at n0, for rows m0 .. m0 + R - 1 of x;
@@ -119,7 +125,7 @@ inline void Tile(const float* x, float* y, const Weights& w, int64_t K, int64_t 
   VecF acc[R][kVecs];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < kVecs; ++v)
       acc[r][v] = k0 == 0 ? VecF{} : Load<VecF>(y + (m0 + r) * N + n0 + v * kLanes);
   const float* xr[R];
@@ -129,41 +135,45 @@ inline void Tile(const float* x, float* y, const Weights& w, int64_t K, int64_t 
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const float xv = xr[r][k];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int v = 0; v < kVecs; ++v) acc[r][v] += xv * wv[v];
     }
   };
+  const int64_t t = n0 / kCols, cs = w.code_stride, ss = w.side_stride;
   if constexpr (kCodes == Codes::kDense) {
+    const float* d = w.dense + t * w.code_tile;
     for (int64_t k = k0; k < k1; ++k) {
       VecF wv[kVecs];
-#pragma GCC unroll 4
-      for (int v = 0; v < kVecs; ++v) wv[v] = Load<VecF>(w.dense + k * N + n0 + v * kLanes);
+#pragma GCC unroll 8
+      for (int v = 0; v < kVecs; ++v) wv[v] = Load<VecF>(d + k * cs + v * kLanes);
       step(k, wv);
     }
   } else {
     const int64_t bs = w.bs;
+    const float* sc = w.scale + t * w.side_tile;
+    const float* of = kOffset ? w.offset + t * w.side_tile : nullptr;
     for (int64_t kb = k0; kb < k1; kb += bs) {  // k0 is a multiple of bs
       VecF sv[kVecs], ov[kVecs];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int v = 0; v < kVecs; ++v) {
-        sv[v] = Load<VecF>(w.scale + (kb / bs) * N + n0 + v * kLanes);
-        ov[v] = kOffset ? Load<VecF>(w.offset + (kb / bs) * N + n0 + v * kLanes) : VecF{};
+        sv[v] = Load<VecF>(sc + (kb / bs) * ss + v * kLanes);
+        ov[v] = kOffset ? Load<VecF>(of + (kb / bs) * ss + v * kLanes) : VecF{};
       }
       // a code's value, as BlockQuant.dequantize computes it
       auto value = [&](const VecF& q, int v) { return kOffset ? q * sv[v] + ov[v] : q * sv[v]; };
       if constexpr (kCodes == Codes::kInt8) {
         for (int64_t k = kb; k < kb + bs; ++k) {
           VecF wv[kVecs];
-#pragma GCC unroll 4
-          for (int v = 0; v < kVecs; ++v) wv[v] = value(LoadCodes(w.codes + k * N + n0 + v * kLanes), v);
+#pragma GCC unroll 8
+          for (int v = 0; v < kVecs; ++v) wv[v] = value(LoadCodes(w.codes + t * w.code_tile + k * cs + v * kLanes), v);
           step(k, wv);
         }
       } else {  // two rows per byte, summed in row order
         for (int64_t k = kb; k < kb + bs; k += 2) {
           VecF lo[kVecs], hi[kVecs];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int v = 0; v < kVecs; ++v) {
-            LoadNibbles<kCodes == Codes::kS4>(w.nibbles + (k / 2) * N + n0 + v * kLanes, &lo[v], &hi[v]);
+            LoadNibbles<kCodes == Codes::kS4>(w.nibbles + t * w.code_tile + (k / 2) * cs + v * kLanes, &lo[v], &hi[v]);
             lo[v] = value(lo[v], v);
             hi[v] = value(hi[v], v);
           }
@@ -175,7 +185,7 @@ inline void Tile(const float* x, float* y, const Weights& w, int64_t K, int64_t 
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int v = 0; v < kVecs; ++v) std::memcpy(y + (m0 + r) * N + n0 + v * kLanes, &acc[r][v], sizeof(VecF));
 }
 
@@ -215,15 +225,15 @@ struct Job {
   const float* x;
   float* y;
   Weights w;
-  int64_t M, K, N, tiles;
+  int64_t M, K, N, tiles, claim;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Work() {
     for (;;) {
-      const int64_t t0 = next.fetch_add(kTilesPerClaim, std::memory_order_relaxed);
+      const int64_t t0 = next.fetch_add(claim, std::memory_order_relaxed);
       if (t0 >= tiles) return;
-      const int64_t t1 = std::min(tiles, t0 + kTilesPerClaim);
+      const int64_t t1 = std::min(tiles, t0 + claim);
       Group<kCodes, kOffset>(x, y, w, M, K, N, t0, t1);
       done.fetch_add(t1 - t0, std::memory_order_release);
     }
@@ -241,7 +251,11 @@ ffi::Error RunAs(ffi::ThreadPool& pool, const float* x, float* y, const Weights&
   job->K = K;
   job->N = N;
   job->tiles = N / kCols;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->tiles / kTilesPerClaim) - 1;
+  // Claims small enough that every thread gets a few (a layer's 6 or 18 tiles too), and up to
+  // 8 tiles where there are many (the LM head's 1536).
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  job->claim = std::clamp<int64_t>(job->tiles / (4 * threads), 1, kTilesPerClaim);
+  const int64_t helpers = std::min<int64_t>(threads, job->tiles / job->claim) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
   job->Work();
   // Tiles claimed by helpers may still be in flight.
@@ -267,38 +281,58 @@ ffi::Error Run(ffi::ThreadPool pool, const float* x, float* y, Weights w, Codes 
   return ffi::Error::Internal("blockdot: unknown code kind");
 }
 
-ffi::Error BlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
-                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+// int8 codes: row-major [K, N] with scale/offset [K / bs, N], or tile-major [N / 32, K, 32] with
+// scale/offset [N / 32, K / bs, 32]
+ffi::Error BlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                     ffi::AnyBuffer scale, ffi::AnyBuffer offset,
                      ffi::ResultBuffer<ffi::F32> y, bool has_offset) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || xd[1] != cd[0] || sd[1] != cd[1] ||
-      (has_offset && offset.element_count() != scale.element_count()))
-    return ffi::Error::InvalidArgument("blockdot: expected x [M, K], codes [K, N], scale/offset [K/bs, N]");
+  const bool tiled = cd.size() == 3;
+  if (codes.element_type() != ffi::S8 || scale.element_type() != ffi::F32 ||
+      (has_offset && (offset.element_type() != ffi::F32 || offset.element_count() != scale.element_count())))
+    return ffi::Error::InvalidArgument("blockdot: expected int8 codes and float32 scale/offset");
+  const bool row_ok = cd.size() == 2 && sd.size() == 2 && xd[1] == cd[0] && sd[1] == cd[1];
+  const bool tile_ok = tiled && sd.size() == 3 && cd[2] == kCols && sd[2] == kCols && sd[0] == cd[0] &&
+                       xd[1] == cd[1];
+  if (xd.size() != 2 || !(row_ok || tile_ok))
+    return ffi::Error::InvalidArgument(
+        "blockdot: expected x [M, K] with codes [K, N] and scale/offset [K/bs, N], or codes [N/32, K, 32] "
+        "and scale/offset [N/32, K/bs, 32]");
+  const int64_t K = xd[1], nb = tiled ? sd[1] : sd[0], N = tiled ? cd[0] * kCols : cd[1];
   Weights w;
-  w.codes = codes.typed_data();
-  w.scale = scale.typed_data();
-  w.offset = has_offset ? offset.typed_data() : nullptr;
-  w.bs = sd[0] > 0 ? cd[0] / sd[0] : 0;
-  if (w.bs * sd[0] != cd[0]) return ffi::Error::InvalidArgument("blockdot: K is not blocks x block size");
-  return Run(pool, x.typed_data(), y->typed_data(), w, Codes::kInt8, xd[0], xd[1], cd[1]);
+  w.codes = static_cast<const int8_t*>(codes.untyped_data());
+  w.scale = static_cast<const float*>(scale.untyped_data());
+  w.offset = has_offset ? static_cast<const float*>(offset.untyped_data()) : nullptr;
+  w.bs = nb > 0 ? K / nb : 0;
+  if (w.bs * nb != K) return ffi::Error::InvalidArgument("blockdot: K is not blocks x block size");
+  w.code_stride = tiled ? kCols : N;
+  w.side_stride = tiled ? kCols : N;
+  w.code_tile = tiled ? K * kCols : kCols;
+  w.side_tile = tiled ? nb * kCols : kCols;
+  return Run(pool, x.typed_data(), y->typed_data(), w, Codes::kInt8, xd[0], K, N);
 }
 
-// 4-bit codes two per byte: nibbles [K / 2, N]
+// 4-bit codes two per byte, tile-major: nibbles [N / 32, K / 2, 32], scale/offset [N / 32, K / bs, 32]
 ffi::Error NibbleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nibbles,
                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
                       ffi::ResultBuffer<ffi::F32> y, bool has_offset, bool is_signed) {
   const auto xd = x.dimensions(), pd = nibbles.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || pd.size() != 2 || sd.size() != 2 || xd[1] != 2 * pd[0] || sd[1] != pd[1] ||
-      (has_offset && offset.element_count() != scale.element_count()))
-    return ffi::Error::InvalidArgument("blockdot: expected x [M, K], nibbles [K/2, N], scale/offset [K/bs, N]");
+  if (xd.size() != 2 || pd.size() != 3 || sd.size() != 3 || pd[2] != kCols || sd[2] != kCols ||
+      sd[0] != pd[0] || xd[1] != 2 * pd[1] || (has_offset && offset.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument(
+        "blockdot: expected x [M, K], nibbles [N/32, K/2, 32], scale/offset [N/32, K/bs, 32]");
+  const int64_t K = xd[1], nb = sd[1];
   Weights w;
   w.nibbles = nibbles.typed_data();
   w.scale = scale.typed_data();
   w.offset = has_offset ? offset.typed_data() : nullptr;
-  w.bs = sd[0] > 0 ? xd[1] / sd[0] : 0;
-  if (w.bs * sd[0] != xd[1]) return ffi::Error::InvalidArgument("blockdot: K is not blocks x block size");
-  return Run(pool, x.typed_data(), y->typed_data(), w, is_signed ? Codes::kS4 : Codes::kU4, xd[0], xd[1],
-             pd[1]);
+  w.bs = nb > 0 ? K / nb : 0;
+  if (w.bs * nb != K) return ffi::Error::InvalidArgument("blockdot: K is not blocks x block size");
+  w.code_stride = w.side_stride = kCols;
+  w.code_tile = (K / 2) * kCols;
+  w.side_tile = nb * kCols;
+  return Run(pool, x.typed_data(), y->typed_data(), w, is_signed ? Codes::kS4 : Codes::kU4, xd[0], K,
+             pd[0] * kCols);
 }
 
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dense,
@@ -308,6 +342,8 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     return ffi::Error::InvalidArgument("blockdot: expected x [M, K], w [K, N]");
   Weights w;
   w.dense = dense.typed_data();
+  w.code_stride = wd[1];
+  w.code_tile = kCols;
   return Run(pool, x.typed_data(), y->typed_data(), w, Codes::kDense, xd[0], xd[1], wd[1]);
 }
 
@@ -317,9 +353,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockDot, BlockImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("has_offset"));
 
