@@ -48,7 +48,7 @@ _LLAMACPP_DIR = flags.DEFINE_list("llamacpp_dir", [], "Directories of llama.cpp'
 _UBATCH = flags.DEFINE_integer("llamacpp_ubatch", 0, "llama-bench's -ub (physical batch) when > 0: 1 makes "
                                "a build whose multi-token kernels crash still decode at depth.")
 _THREADS = flags.DEFINE_integer("llamacpp_threads", os.cpu_count() or 1, "llama.cpp's -t.")
-_LAYERS = flags.DEFINE_multi_enum("layers", ["auto"], ["auto", "stacked", "unrolled"], "specjax rows per layer "
+_LAYERS = flags.DEFINE_multi_enum("layers", ["stacked"], ["stacked", "unrolled"], "specjax rows per layer "
                                   "layout (Engine(layers=...)); repeat the flag for several, interleaved.")
 _MATMUL = flags.DEFINE_multi_enum("matmul", ["auto"], ["auto", "native", "xla"], "specjax rows per matmul "
                                   "path (Engine(matmul=...)); repeat the flag for several, interleaved.")

@@ -64,8 +64,8 @@ _CSV = flags.DEFINE_string("csv", "benchmark.csv", "Where to write the per-confi
 _BUCKET = flags.DEFINE_integer("prompt_bucket", 64, "Prompts are padded to a multiple of this many tokens "
                                "(Engine's prompt_bucket): one program per engine and bucket, compiled before "
                                "the timings.")
-_LAYERS = flags.DEFINE_enum("layers", "auto", ["auto", "stacked", "unrolled"], "Layer layout of every specjax "
-                            "engine (Engine(layers=...); auto: unrolled where the native CPU kernel runs).")
+_LAYERS = flags.DEFINE_enum("layers", "stacked", ["stacked", "unrolled"], "Layer layout of every specjax "
+                            "engine (Engine(layers=...); unrolled: one device, longer compiles).")
 _MATMUL = flags.DEFINE_enum("matmul", "auto", ["auto", "native", "xla"], "Matmul path of every specjax engine "
                             "(Engine(matmul=...); auto: the native CPU kernel on one CPU device).")
 _MESH = flags.DEFINE_string("mesh", "", "DATA,MODEL: run every engine on a jax.make_mesh((DATA, MODEL), "

@@ -86,12 +86,10 @@ class Engine:
     XLA's to float32 rounding, and are the same bit for bit from block codes or from their
     float32 dequantization.
     layers: "stacked" (a scan over layers: compile time independent of depth, block-quantized
-    weights kept as codes), "unrolled" (one device only: a loop of layers, each with its own
-    arrays; with the native kernel 4-bit codes are packed two per byte, tile by tile, and
-    streamed where they lie, without the scan's per-step copy of each layer; with XLA's dot,
-    float arrays, which XLA:CPU reads faster than codes it must dequantize into a buffer;
-    compiles for longer; `llama.unstack_layers`), or "auto" (unrolled where the native kernel
-    runs, stacked elsewhere: on a mesh, on GPU/TPU).
+    weights kept as codes; with the native kernel, in its tile-major order, 4-bit codes two per
+    byte, read in place) or "unrolled" (one device only: a loop of layers, each with its own
+    arrays: with the native kernel its packed codes, else float arrays, which XLA:CPU reads
+    faster than codes it must dequantize into a buffer; compiles for longer; `llama.unstack_layers`).
     mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a
     `sharding.MeshConfig` (rules, attention "auto"/"replicate"/"pad", draft "shard"/"replicate");
     params are placed once, caches and logits are constrained inside the program, and the
@@ -101,7 +99,7 @@ class Engine:
     def __init__(self, target: Model, draft=None, method: str | verify.Rule = "greedy", k: int = 8,
                  max_new_tokens: int = 128, max_len: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, mesh=None, eos_ids: Sequence[int] | None = None,
-                 pld_match: str = "earliest", prompt_bucket: int | None = None, layers: str = "auto",
+                 pld_match: str = "earliest", prompt_bucket: int | None = None, layers: str = "stacked",
                  matmul: str = "auto", **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
@@ -123,8 +121,8 @@ class Engine:
             raise ValueError(f"prompt_bucket must be a positive integer or None, got {prompt_bucket!r}")
         if pld_match not in ("earliest", "latest"):
             raise ValueError(f"pld_match must be 'earliest' or 'latest', got {pld_match!r}")
-        if layers not in ("auto", "stacked", "unrolled"):
-            raise ValueError(f"layers must be 'auto', 'stacked' or 'unrolled', got {layers!r}")
+        if layers not in ("stacked", "unrolled"):
+            raise ValueError(f"layers must be 'stacked' or 'unrolled', got {layers!r}")
         if layers == "unrolled" and mesh is not None:
             raise ValueError("layers='unrolled' runs on one device; on a mesh the stacked layers are sharded "
                              "(pass mesh=None or layers='stacked')")
@@ -138,8 +136,6 @@ class Engine:
                 raise ValueError(f"matmul='native' needs the CPU kernel (backend {jax.default_backend()!r}, "
                                  f"built: {native.available()}; see specjax.native)")
         uses_native = matmul == "native" or (matmul == "auto" and mesh is None and quant.default_native())
-        if layers == "auto":
-            layers = "unrolled" if uses_native else "stacked"
         self.layers, self.matmul = layers, matmul
         self.target, self.k = target, int(k)
         self.prompt_bucket = None if prompt_bucket is None else int(prompt_bucket)
@@ -160,9 +156,8 @@ class Engine:
             mesh_config, target.config, getattr(getattr(self.drafter, "model", self.drafter), "config", None))
         self.params = loop.Params(target=target.params, draft=draft_params)
         draft_dtype = getattr(getattr(self.drafter, "model", self.drafter), "dtype", target.dtype)
-        if uses_native and layers == "unrolled":
+        if uses_native:
             # 4-bit layer codes two per byte, tile by tile: the native kernel streams half the bytes
-            # (measured: a scan's per-step slice of packed tiles costs more than it saves)
             self.params = loop.Params(target=_pack(self.params.target, target.dtype),
                                       draft=_pack(self.params.draft, draft_dtype))
         if layers == "unrolled":  # the draft model too (prompt lookup has no params)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 import shutil
 
 import jax
@@ -255,8 +256,8 @@ def _quantize(w, qtype):
 
 
 def test_the_engine_packs_codes_only_for_the_native_kernel(small_q8):
-    """Unrolled native layers hold 4-bit codes two per byte and int8 codes tile by tile, and the
-    head a tile-major copy of the table; the tokens stay those of XLA's stacked program."""
+    """Native layers (stacked or unrolled) hold 4-bit codes two per byte and int8 codes tile by
+    tile, and the head a tile-major copy of the table; the tokens stay those of XLA's program."""
     from specjax.models import llama
 
     base = random_model(SMALL, seed=5)
@@ -264,18 +265,22 @@ def test_the_engine_packs_codes_only_for_the_native_kernel(small_q8):
     layers = {**small_q8.params["layers"], "w_up": quant.stack_layers([_quantize(w, "Q4_1") for w in w_up])}
     head = "lm_head" if "lm_head" in base.params else "embed"
     model = small_q8.with_params({**small_q8.params, "layers": layers, head: _quantize(base.params[head], "Q8_0")})
-    native_engine = specjax.Engine(model, matmul="native", max_new_tokens=4, eos_ids=())  # layers "auto"
-    stacked_native = specjax.Engine(model, matmul="native", layers="stacked", max_new_tokens=4, eos_ids=())
+    native_engine = specjax.Engine(model, matmul="native", max_new_tokens=4, eos_ids=())
+    unrolled_native = specjax.Engine(model, matmul="native", layers="unrolled", max_new_tokens=4, eos_ids=())
     xla_engine = specjax.Engine(model, matmul="xla", max_new_tokens=4, eos_ids=())
-    assert native_engine.layers == "unrolled" and xla_engine.layers == "stacked"
-    layer = native_engine.params.target["layer_1"]
-    assert isinstance(layer["w_up"], quant.PackedQuant) and layer["w_up"].bits == 4
-    assert isinstance(layer["w_gate"], quant.PackedQuant) and layer["w_gate"].bits == 8  # Q8_0
-    head = native_engine.params.target["head_tiles"]
-    assert isinstance(head, quant.PackedQuant) and head.bits == 8 and head.shape == (SMALL.hidden_size, SMALL.vocab_size)
-    for engine in (xla_engine, stacked_native):
-        assert "head_tiles" not in engine.params.target
-        assert all(isinstance(v, quant.BlockQuant) for v in engine.params.target["layers"].values() if quant.is_quantized(v))
+    stacked, layer = native_engine.params.target["layers"], unrolled_native.params.target["layer_1"]
+    for w_up, w_gate in ((stacked["w_up"], stacked["w_gate"]), (layer["w_up"], layer["w_gate"])):
+        assert isinstance(w_up, quant.PackedQuant) and w_up.bits == 4
+        assert isinstance(w_gate, quant.PackedQuant) and w_gate.bits == 8  # Q8_0
+    assert stacked["w_up"].data.shape == (SMALL.num_layers, *layer["w_up"].data.shape)
+    for engine in (native_engine, unrolled_native):
+        head = engine.params.target["head_tiles"]
+        assert isinstance(head, quant.PackedQuant) and head.bits == 8
+        assert head.shape == (SMALL.hidden_size, SMALL.vocab_size)
+    assert "head_tiles" not in xla_engine.params.target
+    assert all(isinstance(v, quant.BlockQuant) for v in xla_engine.params.target["layers"].values()
+               if quant.is_quantized(v))
+    stacked_native = unrolled_native  # both native layouts must give XLA's tokens
     expected = xla_engine.generate(PROMPTS).tokens
     assert native_engine.generate(PROMPTS).tokens == expected == stacked_native.generate(PROMPTS).tokens
     # a prefill-sized forward (XLA's dot) reads the packed weights too: the same values
@@ -295,6 +300,30 @@ def test_tile_major_int8_codes_give_the_row_major_bits():
     for M in (1, 5, 12):
         x = jnp.asarray(rng.standard_normal((M, 96)).astype(np.float32))
         np.testing.assert_array_equal(np.asarray(native.dot(x, t)), np.asarray(native.dot(x, w)))
+
+
+def test_a_packed_stack_is_read_in_place(small_q8):
+    """The scan over packed layers passes the whole stack and a layer index to the kernel: no
+    per-step slice of the codes is copied (the copy cost more than the 4-bit codes saved)."""
+    from specjax.engine import _pack
+    from specjax.models import llama
+
+    w_up = np.asarray(random_model(SMALL, seed=5).params["layers"]["w_up"])
+    params = {**small_q8.params, "layers": {**small_q8.params["layers"],
+                                            "w_up": quant.stack_layers([_quantize(w, "Q4_1") for w in w_up])}}
+    packed = _pack(params, jnp.float32)
+    cache = llama.init_cache(SMALL, 1, 32)
+    with quant.native_matmul(True):
+        step = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c)[0])
+        hlo = step.lower(packed, jnp.ones((1, 1), jnp.int32), cache).compile().as_text()
+        got = step(packed, jnp.ones((1, 1), jnp.int32), cache)
+    assert "specjax_tiledot" in hlo
+    one_layer = r"u8\[(1,)*" + ",".join(map(str, packed["layers"]["w_up"].data.shape[1:])) + r"\]"
+    assert re.search(r"u8\[" + ",".join(map(str, packed["layers"]["w_up"].data.shape)) + r"\]", hlo)
+    assert not re.search(one_layer, hlo)  # no one-layer slice of the nibbles is ever made
+    with quant.native_matmul(False):
+        want = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c)[0])(params, jnp.ones((1, 1), jnp.int32), cache)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_matmul_setting_is_checked(small_q8):

@@ -56,8 +56,11 @@ class RMSNorm(nn.Module):
     eps: float
 
     @nn.compact
-    def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+    def __call__(self, x, layer=None):
+        if layer is None:
+            scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        else:  # Block.stacked: the stack of every layer's scale, this one's picked
+            scale = quant.layer_of(self.get_variable("params", "scale"), layer)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (scale.astype(jnp.float32) * y).astype(x.dtype)
@@ -75,10 +78,16 @@ def apply_rope(x_BTHDh, positions_BT, inv_freq):
 
 
 class Block(nn.Module):
-    """One decoder layer; scanned over layers by `Transformer`."""
+    """One decoder layer; scanned over layers by `Transformer`.
+
+    stacked: the parameters arrive as the whole stack of layers (a scan that broadcasts them)
+    and `layer` picks this one's, so that the native kernel reads a stacked PackedQuant where it
+    lies; a scan's own slicing would copy every layer's weights each step (quant.contract).
+    """
 
     config: Config
     dtype: Any = jnp.float32
+    stacked: bool = False
 
     @nn.compact
     def __call__(self, carry, layer, positions_BT, write_pos_BT):
@@ -88,11 +97,14 @@ class Block(nn.Module):
         B, T, _ = x_BTD.shape
         # a weight may be a float array or a block-quantized one (quant.contract: XLA's dot of
         # its dequantization, or the native kernel for decode-sized products on the CPU)
-        p = lambda name, shape: quant.materialize(_weight(self, name, shape), self.dtype)  # noqa: E731
-        mm = lambda spec, x, name, shape, n_in=1: quant.contract(spec, x, _weight(self, name, shape), n_in,  # noqa: E731
-                                                                 self.dtype)
+        at = layer if self.stacked else None
+        w = lambda name, shape: _weight(self, name, shape)  # noqa: E731
+        p = lambda name, shape: quant.materialize(  # noqa: E731
+            w(name, shape) if at is None else quant.layer_of(w(name, shape), at), self.dtype)
+        mm = lambda spec, x, name, shape, n_in=1: quant.contract(spec, x, w(name, shape), n_in,  # noqa: E731
+                                                                 self.dtype, at)
 
-        h_BTD = RMSNorm(c.rms_norm_eps, name="attn_norm")(x_BTD)
+        h_BTD = RMSNorm(c.rms_norm_eps, name="attn_norm")(x_BTD, at)
         q_BTHDh = mm("btd,dhk->bthk", h_BTD, "wq", (D, H, Dh))
         k_BTGDh = mm("btd,dgk->btgk", h_BTD, "wk", (D, G, Dh))
         v_BTGDh = mm("btd,dgk->btgk", h_BTD, "wv", (D, G, Dh))
@@ -122,7 +134,7 @@ class Block(nn.Module):
         attn_BTHDh = jnp.einsum("bgqts,bsgk->btgqk", probs, values_BSGDh.astype(self.dtype)).reshape(B, T, H, Dh)
         x_BTD = x_BTD + mm("bthk,hkd->btd", attn_BTHDh, "wo", (H, Dh, D), 2)
 
-        h_BTD = RMSNorm(c.rms_norm_eps, name="mlp_norm")(x_BTD)
+        h_BTD = RMSNorm(c.rms_norm_eps, name="mlp_norm")(x_BTD, at)
         gate_BTF = mm("btd,df->btf", h_BTD, "w_gate", (D, c.intermediate_size))
         up_BTF = mm("btd,df->btf", h_BTD, "w_up", (D, c.intermediate_size))
         x_BTD = x_BTD + mm("btf,fd->btd", nn.silu(gate_BTF) * up_BTF, "w_down", (c.intermediate_size, D))
@@ -143,6 +155,14 @@ class Transformer(nn.Module):
     dtype: Any = jnp.float32
     unrolled: bool = False  # layers as `layer_0` .. `layer_{N-1}` (unstack_layers), a loop instead of a scan
 
+    def _packed_stack(self) -> bool:
+        """Stacked layers holding PackedQuant weights (made by the Engine for the native kernel)."""
+        if self.is_initializing() or not quant.native_enabled():
+            return False
+        stack = self.variables.get("params", {}).get("layers", {})
+        return any(isinstance(w, quant.PackedQuant)
+                   for w in jax.tree.leaves(stack, is_leaf=lambda w: isinstance(w, quant.PackedQuant)))
+
     @nn.compact
     def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None, select_BJ=None):
         c = self.config
@@ -162,10 +182,15 @@ class Transformer(nn.Module):
             for i in range(c.num_layers):
                 carry, _ = Block(c, self.dtype, name=f"layer_{i}")(carry, i, positions_BT, write_pos_BT)
             x_BTD, cache_k, cache_v = carry
+        elif self._packed_stack():  # the stack read in place by the native kernel (Block.stacked)
+            layers = nn.scan(Block, variable_broadcast="params", split_rngs={"params": False},
+                             in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(
+                c, self.dtype, stacked=True, name="layers")
         else:
             layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                              in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(c, self.dtype,
                                                                                            name="layers")
+        if not self.unrolled:
             (x_BTD, cache_k, cache_v), _ = layers((x_BTD, cache_k, cache_v), jnp.arange(c.num_layers),
                                                   positions_BT, write_pos_BT)
         if select_BJ is not None:  # only these positions need logits (prefill: each row's last)

@@ -221,25 +221,34 @@ def native_enabled() -> bool:
     return bool(_native[-1] if _native[-1] is not None else default_native())
 
 
-def _use_native(x, w, rows: int) -> bool:
+def _use_native(x, w, rows: int, stacked: bool = False) -> bool:
     from specjax import native
 
-    return native_enabled() and rows <= NATIVE_MAX_ROWS and native.supports(x, w)
+    return native_enabled() and rows <= NATIVE_MAX_ROWS and native.supports(x, w, stacked)
 
 
-def contract(spec: str, x: jax.Array, w, n_in: int, dtype=jnp.float32) -> jax.Array:
+def layer_of(w, layer):
+    """Layer `layer` (a traced index) of a stacked weight: float, BlockQuant or PackedQuant."""
+    pick = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
+    return jax.tree.map(pick, w) if is_quantized(w) else pick(w)
+
+
+def contract(spec: str, x: jax.Array, w, n_in: int, dtype=jnp.float32, layer=None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a linear layer: x [..., *in] with w [*in, *out] (`n_in`
-    contracted dimensions), w float or block-quantized. Decode-sized products on the CPU go to
-    the native kernel (the same values from codes or from their float32 dequantization, bit
-    for bit); everything else is XLA's dot of the materialized weight."""
+    contracted dimensions), w float or block-quantized; with `layer`, w is a stack of layers and
+    layer `layer` is used. Decode-sized products on the CPU go to the native kernel (the same
+    values from codes or from their float32 dequantization, bit for bit), which reads a stacked
+    PackedQuant in place; everything else is XLA's dot of the materialized weight."""
     lead, inner = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in:]
     K, rows = math.prod(inner), math.prod(lead)
-    out = tuple(w.shape[n_in:])
+    if layer is not None and not (isinstance(w, PackedQuant) and _use_native(x, w, rows, stacked=True)):
+        w, layer = layer_of(w, layer), None  # the layer's slice (a copy, as a scan would make)
+    out = tuple(w.shape[n_in:]) if is_quantized(w) else tuple(w.shape[(layer is not None) + n_in:])
     w2 = w if is_quantized(w) else w.reshape(K, math.prod(out))
-    if _use_native(x, w2, rows):
+    if layer is not None or _use_native(x, w2, rows):
         from specjax import native
 
-        return native.dot(x.reshape(rows, K), w2).reshape(*lead, *out)
+        return native.dot(x.reshape(rows, K), w2, layer).reshape(*lead, *out)
     return jnp.einsum(spec, x, materialize(w, dtype))
 
 

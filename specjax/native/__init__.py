@@ -25,6 +25,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ENV_VAR = "SPECJAX_NATIVE"
 SOURCE = os.path.join(os.path.dirname(__file__), "blockdot.cc")
@@ -83,7 +84,7 @@ def _load() -> bool:
         lib = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target("specjax_blockdot", jax.ffi.pycapsule(lib.SpecjaxBlockDot), platform="cpu")
         jax.ffi.register_ffi_target("specjax_densedot", jax.ffi.pycapsule(lib.SpecjaxDenseDot), platform="cpu")
-        jax.ffi.register_ffi_target("specjax_nibbledot", jax.ffi.pycapsule(lib.SpecjaxNibbleDot), platform="cpu")
+        jax.ffi.register_ffi_target("specjax_tiledot", jax.ffi.pycapsule(lib.SpecjaxTileDot), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"specjax's native CPU matmul is unavailable, using XLA's dot instead: {e}", stacklevel=2)
         return False
@@ -95,34 +96,51 @@ def available() -> bool:
     return _load()
 
 
-def supports(x, w) -> bool:
-    """Whether dot(x, w) can run natively: float32 activations, a float32 [K, N] matrix or an
-    unstacked BlockQuant (int8 codes) / PackedQuant, N a multiple of the tile."""
+def supports(x, w, stacked: bool = False) -> bool:
+    """Whether dot(x, w) can run natively: float32 activations, a float32 [K, N] matrix, a
+    BlockQuant with int8 codes, or a PackedQuant (`stacked`: one with a leading layer axis), N a
+    multiple of the tile."""
     from specjax.models.quant import BlockQuant, PackedQuant
 
     if x.dtype != jnp.float32:
         return False
+    if isinstance(w, PackedQuant):
+        return (w.data.ndim == 3 + stacked and w.data.dtype == (jnp.uint8 if w.bits == 4 else jnp.int8)
+                and w.scale.dtype == jnp.float32 and w.data.shape[-1] == COLUMNS)
+    if stacked:
+        return False
     if isinstance(w, BlockQuant):
         return (w.codes.ndim == 3 and w.codes.dtype == jnp.int8 and w.scale.dtype == jnp.float32
                 and w.codes.shape[-1] % COLUMNS == 0)
-    if isinstance(w, PackedQuant):
-        return (w.data.ndim == 3 and w.data.dtype == (jnp.uint8 if w.bits == 4 else jnp.int8)
-                and w.scale.dtype == jnp.float32 and w.data.shape[-1] == COLUMNS)
     return w.ndim == 2 and w.dtype == jnp.float32 and w.shape[-1] % COLUMNS == 0
 
 
-def dot(x_MK: jax.Array, w) -> jax.Array:
-    """float32[M, N] = x @ w, with w a float32 [K, N] array, a BlockQuant (codes [K/bs, bs, N])
-    or a PackedQuant (tile-major codes [N/32, K or K/2, 32])."""
+def dot(x_MK: jax.Array, w, layer=None) -> jax.Array:
+    """float32[M, N] = x @ w, with w a float32 [K, N] array, a BlockQuant (codes [K/bs, bs, N]) or
+    a PackedQuant (tile-major codes [N/32, K or K/2, 32]). With `layer` (an int32 scalar, traced
+    or not), w is a PackedQuant stack [L, ...] and layer `layer` is read where it lies."""
     from specjax.models.quant import BlockQuant, PackedQuant
 
     if not available():
         raise RuntimeError("the native kernel is not available (see specjax.native)")
-    if not supports(x_MK, w):
+    if not supports(x_MK, w, layer is not None):
         raise ValueError(f"native.dot takes float32 x and a float32 or block-coded weight whose columns are a "
-                         f"multiple of {COLUMNS}; got x {x_MK.dtype}, weight {getattr(w, 'shape', None)}")
+                         f"multiple of {COLUMNS} (a stack only of PackedQuant); got x {x_MK.dtype}, weight "
+                         f"{type(w).__name__} {getattr(w, 'shape', None)}")
     M, K = x_MK.shape
     out = lambda n: jax.ShapeDtypeStruct((M, n), jnp.float32)  # noqa: E731
+    if isinstance(w, PackedQuant):
+        stack = (lambda a: a) if layer is not None else (lambda a: a[None])  # noqa: E731
+        data = stack(w.data)
+        _, T, rows, C = data.shape
+        if rows * (8 // w.bits) != K:
+            raise ValueError(f"x has {K} columns, the weight {rows * (8 // w.bits)} rows")
+        scale = stack(w.scale)
+        offset = stack(w.offset) if w.offset is not None else scale  # unread without an offset
+        index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+        return jax.ffi.ffi_call("specjax_tiledot", out(T * C), vmap_method="sequential")(
+            x_MK, data, scale, offset, index, has_offset=w.offset is not None, bits=np.int32(w.bits),
+            is_signed=w.signed)
     if isinstance(w, BlockQuant):
         nb, bs, N = w.codes.shape
         if nb * bs != K:
@@ -131,16 +149,6 @@ def dot(x_MK: jax.Array, w) -> jax.Array:
         offset = w.offset.reshape(nb, N) if w.offset is not None else scale  # unread without an offset
         return jax.ffi.ffi_call("specjax_blockdot", out(N), vmap_method="sequential")(
             x_MK, w.codes.reshape(K, N), scale, offset, has_offset=w.offset is not None)
-    if isinstance(w, PackedQuant):
-        T, rows, C = w.data.shape
-        if rows * (8 // w.bits) != K:
-            raise ValueError(f"x has {K} columns, the weight {rows * (8 // w.bits)} rows")
-        offset = w.offset if w.offset is not None else w.scale  # unread without an offset
-        if w.bits == 8:  # the int8 kernel, tile-major (3-d codes)
-            return jax.ffi.ffi_call("specjax_blockdot", out(T * C), vmap_method="sequential")(
-                x_MK, w.data, w.scale, offset, has_offset=w.offset is not None)
-        return jax.ffi.ffi_call("specjax_nibbledot", out(T * C), vmap_method="sequential")(
-            x_MK, w.data, w.scale, offset, has_offset=w.offset is not None, is_signed=w.signed)
     if w.shape[0] != K:
         raise ValueError(f"x has {K} columns, the weight {w.shape[0]} rows")
     return jax.ffi.ffi_call("specjax_densedot", out(w.shape[1]), vmap_method="sequential")(x_MK, w)

@@ -1,11 +1,13 @@
 // y[M, N] = x[M, K] @ W[K, N] for decode-sized M, as an XLA FFI custom call on the CPU.
 //
-// W is either float32 [K, N], or block codes as specjax.models.quant.BlockQuant lays them out:
-// int8 codes [K, N] (row k, column n), float32 scale and offset [K / bs, N]; the weight is
-// codes * scale + offset. 4-bit codes may come two per byte (quant.PackedQuant): uint8 [K / 2, N],
-// row 2j in the low nibble and row 2j + 1 in the high one, unsigned (0..15) or signed (-8..7). XLA:CPU cannot fuse that dequantization into its dot, so it writes a
-// float32 copy of every weight and reads it again; here each weight is expanded in registers
-// right before its multiply-add, and a weight is read once per group of up to kRows rows.
+// W is float32 [K, N]; or block codes as specjax.models.quant.BlockQuant lays them out: int8
+// codes [K, N] (row k, column n), float32 scale and offset [K / bs, N], the weight being
+// codes * scale + offset; or the same values tile-major (quant.PackedQuant: each 32-column tile
+// one contiguous stream), int8 or 4-bit codes two per byte (row 2j in the low nibble, row 2j + 1
+// in the high one; unsigned 0..15 or signed -8..7), possibly one layer of a stack, read in place.
+// XLA:CPU cannot fuse a dequantization into its dot, so it writes a float32 copy of every weight
+// and reads it again; here each weight is expanded in registers right before its multiply-adds,
+// and is read once per group of up to kRows rows.
 //
 // Numerics: every output is one float32 sum over k = 0 .. K-1 in order, a multiply-add per
 // term, in both the block and the float kernel, and a code's value (code * scale + offset) is
@@ -281,58 +283,58 @@ ffi::Error Run(ffi::ThreadPool pool, const float* x, float* y, Weights w, Codes 
   return ffi::Error::Internal("blockdot: unknown code kind");
 }
 
-// int8 codes: row-major [K, N] with scale/offset [K / bs, N], or tile-major [N / 32, K, 32] with
-// scale/offset [N / 32, K / bs, 32]
-ffi::Error BlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                     ffi::AnyBuffer scale, ffi::AnyBuffer offset,
+// int8 codes, row-major: codes [K, N], scale/offset [K / bs, N]
+ffi::Error BlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                     ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
                      ffi::ResultBuffer<ffi::F32> y, bool has_offset) {
   const auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
-  const bool tiled = cd.size() == 3;
-  if (codes.element_type() != ffi::S8 || scale.element_type() != ffi::F32 ||
-      (has_offset && (offset.element_type() != ffi::F32 || offset.element_count() != scale.element_count())))
-    return ffi::Error::InvalidArgument("blockdot: expected int8 codes and float32 scale/offset");
-  const bool row_ok = cd.size() == 2 && sd.size() == 2 && xd[1] == cd[0] && sd[1] == cd[1];
-  const bool tile_ok = tiled && sd.size() == 3 && cd[2] == kCols && sd[2] == kCols && sd[0] == cd[0] &&
-                       xd[1] == cd[1];
-  if (xd.size() != 2 || !(row_ok || tile_ok))
-    return ffi::Error::InvalidArgument(
-        "blockdot: expected x [M, K] with codes [K, N] and scale/offset [K/bs, N], or codes [N/32, K, 32] "
-        "and scale/offset [N/32, K/bs, 32]");
-  const int64_t K = xd[1], nb = tiled ? sd[1] : sd[0], N = tiled ? cd[0] * kCols : cd[1];
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || xd[1] != cd[0] || sd[1] != cd[1] ||
+      (has_offset && offset.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("blockdot: expected x [M, K], codes [K, N], scale/offset [K/bs, N]");
   Weights w;
-  w.codes = static_cast<const int8_t*>(codes.untyped_data());
-  w.scale = static_cast<const float*>(scale.untyped_data());
-  w.offset = has_offset ? static_cast<const float*>(offset.untyped_data()) : nullptr;
-  w.bs = nb > 0 ? K / nb : 0;
-  if (w.bs * nb != K) return ffi::Error::InvalidArgument("blockdot: K is not blocks x block size");
-  w.code_stride = tiled ? kCols : N;
-  w.side_stride = tiled ? kCols : N;
-  w.code_tile = tiled ? K * kCols : kCols;
-  w.side_tile = tiled ? nb * kCols : kCols;
-  return Run(pool, x.typed_data(), y->typed_data(), w, Codes::kInt8, xd[0], K, N);
-}
-
-// 4-bit codes two per byte, tile-major: nibbles [N / 32, K / 2, 32], scale/offset [N / 32, K / bs, 32]
-ffi::Error NibbleImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> nibbles,
-                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                      ffi::ResultBuffer<ffi::F32> y, bool has_offset, bool is_signed) {
-  const auto xd = x.dimensions(), pd = nibbles.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || sd.size() != 3 || pd[2] != kCols || sd[2] != kCols ||
-      sd[0] != pd[0] || xd[1] != 2 * pd[1] || (has_offset && offset.element_count() != scale.element_count()))
-    return ffi::Error::InvalidArgument(
-        "blockdot: expected x [M, K], nibbles [N/32, K/2, 32], scale/offset [N/32, K/bs, 32]");
-  const int64_t K = xd[1], nb = sd[1];
-  Weights w;
-  w.nibbles = nibbles.typed_data();
+  w.codes = codes.typed_data();
   w.scale = scale.typed_data();
   w.offset = has_offset ? offset.typed_data() : nullptr;
+  w.bs = sd[0] > 0 ? cd[0] / sd[0] : 0;
+  if (w.bs * sd[0] != cd[0]) return ffi::Error::InvalidArgument("blockdot: K is not blocks x block size");
+  w.code_stride = w.side_stride = cd[1];
+  w.code_tile = w.side_tile = kCols;
+  return Run(pool, x.typed_data(), y->typed_data(), w, Codes::kInt8, xd[0], xd[1], cd[1]);
+}
+
+// Tile-major codes (quant.PackedQuant) of a stack of L layers, layer `layer` read where it lies
+// (a scan over the stack copies no slice): data [L, N / 32, K / per, 32] (uint8 nibbles, per = 2,
+// or int8 codes, per = 1), scale/offset [L, N / 32, K / bs, 32], layer an int32 scalar.
+ffi::Error TileImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
+                    ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> y, bool has_offset, int32_t bits, bool is_signed) {
+  const auto xd = x.dimensions(), dd = data.dimensions(), sd = scale.dimensions();
+  const int64_t per = bits == 4 ? 2 : 1;
+  if ((bits != 4 && bits != 8) || data.element_type() != (bits == 4 ? ffi::U8 : ffi::S8))
+    return ffi::Error::InvalidArgument("blockdot: expected uint8 nibbles (bits 4) or int8 codes (bits 8)");
+  if (xd.size() != 2 || dd.size() != 4 || sd.size() != 4 || dd[3] != kCols || sd[3] != kCols ||
+      sd[0] != dd[0] || sd[1] != dd[1] || xd[1] != per * dd[2] ||
+      (has_offset && offset.element_count() != scale.element_count()) || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "blockdot: expected x [M, K], data [L, N/32, K/per, 32], scale/offset [L, N/32, K/bs, 32], a layer index");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= dd[0]) return ffi::Error::InvalidArgument("blockdot: layer index out of range");
+  const int64_t K = xd[1], T = dd[1], nb = sd[2];
+  const int64_t data_layer = T * dd[2] * kCols, side_layer = T * nb * kCols;
+  Weights w;
+  if (bits == 4)
+    w.nibbles = static_cast<const uint8_t*>(data.untyped_data()) + l * data_layer;
+  else
+    w.codes = static_cast<const int8_t*>(data.untyped_data()) + l * data_layer;
+  w.scale = scale.typed_data() + l * side_layer;
+  w.offset = has_offset ? offset.typed_data() + l * side_layer : nullptr;
   w.bs = nb > 0 ? K / nb : 0;
   if (w.bs * nb != K) return ffi::Error::InvalidArgument("blockdot: K is not blocks x block size");
   w.code_stride = w.side_stride = kCols;
-  w.code_tile = (K / 2) * kCols;
+  w.code_tile = dd[2] * kCols;
   w.side_tile = nb * kCols;
-  return Run(pool, x.typed_data(), y->typed_data(), w, is_signed ? Codes::kS4 : Codes::kU4, xd[0], K,
-             pd[0] * kCols);
+  const Codes kind = bits == 8 ? Codes::kInt8 : is_signed ? Codes::kS4 : Codes::kU4;
+  return Run(pool, x.typed_data(), y->typed_data(), w, kind, xd[0], K, T * kCols);
 }
 
 ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dense,
@@ -353,9 +355,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockDot, BlockImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("has_offset"));
 
@@ -366,13 +368,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDenseDot, DenseImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxNibbleDot, NibbleImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxTileDot, TileImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("has_offset")
+                                  .Attr<int32_t>("bits")
                                   .Attr<bool>("is_signed"));
