@@ -122,9 +122,7 @@ class Program:
         ("auto"; the Engine checked "native" against the platform and mesh), never ("xla")."""
         if self.matmul != "auto":
             return self.matmul == "native"
-        if self.layout is None:
-            return quant.default_native()
-        return quant.default_native(self.layout.mesh.devices.flat[0].platform, sharded=True)
+        return self.layout is None and quant.default_native()  # a custom call has no sharding rule
 
     # -- the pieces of the loop -------------------------------------------------
 

@@ -26,6 +26,10 @@ import numpy as np
 from flax import struct
 
 
+def _bytes(*arrays) -> int:
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays if a is not None)
+
+
 @struct.dataclass
 class BlockQuant:
     """A weight of logical shape `shape` = (codes * scale + offset).reshape(shape).
@@ -45,8 +49,7 @@ class BlockQuant:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (self.codes, self.scale, self.offset)
-                   if a is not None)
+        return _bytes(self.codes, self.scale, self.offset)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         w = self.codes.astype(jnp.float32) * self.scale
@@ -86,8 +89,7 @@ class PackedQuant:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (self.data, self.scale, self.offset)
-                   if a is not None)
+        return _bytes(self.data, self.scale, self.offset)
 
     def unpacked(self) -> BlockQuant:
         """The same weight as a BlockQuant (one int8 code per weight, row-major)."""
@@ -207,13 +209,13 @@ def native_matmul(on: bool | None):
         _native.pop()
 
 
-def default_native(platform: str | None = None, sharded: bool = False) -> bool:
-    """On an unsharded CPU program when the kernel builds here (and SPECJAX_NATIVE is not 0).
-    A custom call has no sharding rule, so on a mesh GSPMD would gather its operands."""
+def default_native() -> bool:
+    """On the CPU backend when the kernel builds here (and SPECJAX_NATIVE is not 0). Not for a
+    mesh: a custom call has no sharding rule, so GSPMD would gather its operands (the caller
+    decides; `loop.Program.native_matmul`)."""
     from specjax import native
 
-    platform = platform or jax.default_backend()
-    return platform == "cpu" and not sharded and native.available()
+    return jax.default_backend() == "cpu" and native.available()
 
 
 def native_enabled() -> bool:
@@ -326,7 +328,7 @@ def pad_columns(w: BlockQuant, extra: int) -> BlockQuant:
 
 def param_bytes(params) -> int:
     leaves = jax.tree.leaves(params, is_leaf=is_quantized)
-    return sum(x.nbytes if is_quantized(x) else int(np.prod(x.shape)) * x.dtype.itemsize for x in leaves)
+    return sum(x.nbytes if is_quantized(x) else _bytes(x) for x in leaves)
 
 
 # --- from GGUF blocks -----------------------------------------------------------
