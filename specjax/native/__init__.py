@@ -27,10 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.quant import PACK_COLUMNS
+
 ENV_VAR = "SPECJAX_NATIVE"
 SOURCE = os.path.join(os.path.dirname(__file__), "blockdot.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
-COLUMNS = 32  # N must be a multiple of the kernel's tile (blockdot.cc: kCols)
+COLUMNS = PACK_COLUMNS  # N must be a multiple of the kernel's tile (blockdot.cc: kCols)
 
 
 def enabled_by_env() -> bool:
