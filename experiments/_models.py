@@ -3,7 +3,7 @@
 Model specs: a preset name, a .gguf file, a Hugging Face directory (`specjax.models.load`), or
 random:tiny[:SEED], a 2-layer random model (vocabulary 258) with a byte-level tokenizer and ChatML
 tokens (fast tests, no checkpoint needed). Draft specs: none | pld | self:N | <model spec> |
-pld+<model spec>; the Engine turns what `resolve_draft` returns into a drafter
+pld+<model spec> | a feature-draft directory (train_draft.py --arch=feature); the Engine turns what `resolve_draft` returns into a drafter
 (`specjax.drafters.from_spec`).
 """
 
@@ -15,6 +15,7 @@ import functools
 from absl import app
 
 from specjax import drafters, models
+from specjax.models import feature_draft
 
 try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
     from experiments import _cli
@@ -83,6 +84,8 @@ def resolve_draft(spec: str | None, target_spec: str):
         return spec
     if spec.startswith("pld+"):
         return ("pld", load_model(spec[4:]))
+    if feature_draft.is_feature_draft(spec):  # a directory made by train_draft.py --arch=feature
+        return feature_draft.load(spec)
     return load_model(spec)
 
 

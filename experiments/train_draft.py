@@ -44,8 +44,10 @@ from absl import app, flags
 
 try:  # imported as experiments.train_draft (tests) or run as a script
     from experiments import _common as C
+    from experiments import _feature_distill as FD
 except ImportError:
     import _common as C
+    import _feature_distill as FD
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct", "Target: preset, .gguf, HF directory or random:tiny.")
 _OUT = flags.DEFINE_string("out", None, "Output directory of the trained draft (HF layout).", required=True)
@@ -56,6 +58,13 @@ _LAYERS = flags.DEFINE_integer("layers", 2, "Draft layers.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Draft head dim (narrow drafts).")
 _KV_HEADS = flags.DEFINE_integer("kv_heads", 1, "Draft kv heads (narrow drafts).")
 _FFN = flags.DEFINE_integer("ffn", 0, "Draft MLP width F (0: 3 x width).")
+_ARCH = flags.DEFINE_enum("arch", "model", ["model", "feature"], "model: a small Llama (the flags above); "
+                          "feature: one layer over the target's hidden states (specjax.models.feature_draft).")
+_DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab", 8192, "Feature draft: columns of its reduced head (the "
+                                    "target's most frequent choices in the training data).")
+_FEAT_NOISE = flags.DEFINE_float("feature_noise", 0.1, "Feature draft: uniform noise on input features, "
+                                 "relative to their RMS.")
+_FEAT_WEIGHT = flags.DEFINE_float("feature_weight", 1.0, "Feature draft: weight of the feature regression loss.")
 # data
 _GEN_TOKENS = flags.DEFINE_integer("gen_tokens", 128, "New tokens per data prompt (the target stops at EOS).")
 _GEN_BATCH = flags.DEFINE_integer("gen_batch", 16, "Prompts per generation batch.")
@@ -399,7 +408,7 @@ def plot_curve(work: pathlib.Path, path: pathlib.Path, k: int) -> None:
     loss = {r["step"]: r["loss"] for r in rows if "loss" in r}  # a resumed run's rows replace earlier ones
     ev = {r["step"]: r["eval"][f"tau_at_{k}"] for r in rows if "eval" in r and f"tau_at_{k}" in r["eval"]}
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(sorted(loss), [loss[s] for s in sorted(loss)], label="train loss (CE on target's token)")
+    ax.plot(sorted(loss), [loss[s] for s in sorted(loss)], label="train loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     if ev:
@@ -497,6 +506,72 @@ def step_cost(target, draft_cfg, draft_params, rounds: int, context: int = 256) 
 
 # --- main -------------------------------------------------------------------------------------
 
+def load_data(target, work: pathlib.Path):
+    """(sequences, prompt lengths, seconds, messages): the cached or newly generated data."""
+    t0 = time.perf_counter()
+    messages = data_messages()
+    if _NUM_DATA.value:
+        messages = messages[: _NUM_DATA.value]
+    C.log(f"data: {len(messages)} prompts, {_GEN_TOKENS.value} new tokens each at most")
+    seqs, plens = generate_data(target, messages, work / "data", _GEN_TOKENS.value, _GEN_BATCH.value,
+                                _DATA_SECONDS.value)
+    return seqs, plens, time.perf_counter() - t0, messages
+
+
+def main_feature(target, out_dir: pathlib.Path, work: pathlib.Path, t_start: float):
+    """--arch=feature: data, the target's features on it, training, export (see _feature_distill)."""
+    import jax
+    from specjax.models import feature_draft, quant
+
+    tc = TrainConfig.from_flags()
+    summary = {"target": _TARGET.value, "arch": "feature", "argv": sys.argv, "machine": C.machine()}
+    seqs, plens, data_seconds, messages = load_data(target, work)
+    tokens, _ = pack(seqs, plens, _SEQ.value)  # [N, T]: the prompt cropped from the left
+    lengths = np.asarray([min(len(s), _SEQ.value + 1) for s in seqs])
+    feats, tops = FD.cached_features(target, tokens, work)
+    mask = FD.valid_mask(lengths, tokens.shape[1])
+    n_val = min(_VAL.value, len(tokens) // 4)
+    ids = FD.draft_vocab(tops[n_val:], mask[n_val:], target.config.eos_token_ids, _DRAFT_VOCAB.value)
+    labels = FD.labels_in_vocab(tops, ids)
+    C.log(f"data: {len(tokens) - n_val} training sequences ({int(mask[n_val:].sum())} positions), {n_val} held out; "
+          f"draft vocabulary {len(ids)} covers {FD.coverage(tops[n_val:], mask[n_val:], ids):.3f} of the training "
+          f"labels, {FD.coverage(tops[:n_val], mask[:n_val], ids):.3f} held out")
+    summary["data"] = {"prompts": len(messages), "train_sequences": len(tokens) - n_val,
+                       "train_positions": int(mask[n_val:].sum()), "val_sequences": n_val,
+                       "val_positions": int(mask[:n_val].sum()), "seconds": data_seconds, "draft_vocab": len(ids),
+                       "vocab_coverage_val": FD.coverage(tops[:n_val], mask[:n_val], ids)}
+    cfg = feature_draft.layer_config(target.config)
+    params = jax.device_get(feature_draft.init_params(target.config, target.params, ids, tc.seed))
+    frozen = {"embed": np.asarray(quant.materialize(target.params["embed"]), np.float32)}
+    n_train = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    C.log(f"feature draft: 1 layer of width {cfg.hidden_size}, head {len(ids)} columns; "
+          f"{n_train / 1e6:.2f}M trainable parameters")
+    summary["trainable_params"] = n_train
+    split = lambda a: (a[n_val:], a[:n_val])  # noqa: E731
+    (t_tok, v_tok), (t_f, v_f), (t_l, v_l), (t_m, v_m) = map(split, (tokens, feats, labels, mask))
+    t0 = time.perf_counter()
+    final = FD.train(cfg, params, frozen, (t_tok, t_f, t_l, t_m), (v_tok, v_f, v_l, v_m), work,
+                     make_optimizer=make_optimizer, noise=_FEAT_NOISE.value, reg_weight=_FEAT_WEIGHT.value,
+                     **dataclasses.asdict(tc))
+    if final is None:
+        return
+    summary["train_seconds_this_process"] = time.perf_counter() - t0
+    draft = feature_draft.FeatureDraft(cfg, jax.device_get(final), ids, out_dir.name, _TARGET.value)
+    feature_draft.save(draft, out_dir, extra={"trained_for": _TARGET.value})
+    if _TIMING.value:
+        cost = FD.step_cost(target, feature_draft.load(out_dir), _TIMING.value)
+        C.log(f"step cost (batch 1, context {cost['context']}): draft {cost['draft_bytes'] / 1e6:.1f} MB, "
+              f"{cost['draft_step_ms']:.2f} ms; target {cost['target_bytes'] / 1e6:.1f} MB, "
+              f"{cost['target_step_ms']:.2f} ms; ratio bytes {cost['bytes_ratio']:.3f}, time {cost['time_ratio']:.3f}")
+        summary["step_cost"] = cost
+    plot_curve(work, work / "loss_curve.png", tc.k)
+    rows = [json.loads(line) for line in open(work / "metrics.jsonl")]
+    summary["evals"] = [r for r in rows if "eval" in r]
+    summary["wall_seconds_this_process"] = time.perf_counter() - t_start
+    (work / "summary.json").write_text(json.dumps(C.jsonable(summary), indent=1))
+    C.log(f"wrote {out_dir} (specjax.models.feature_draft.load opens it; --draft {out_dir} in the binaries); "
+          f"curve {work / 'loss_curve.png'}, summary {work / 'summary.json'}")
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -509,6 +584,8 @@ def main(argv):
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     target = C.load_model(_TARGET.value)
+    if _ARCH.value == "feature":
+        return main_feature(target, out_dir, work, t_start)
     arch = Arch(_WIDTH.value, _LAYERS.value, _HEAD_DIM.value, _KV_HEADS.value, _FFN.value)
     cfg = draft_config(target.config, arch)
     tc = TrainConfig.from_flags()
@@ -525,14 +602,7 @@ def main(argv):
               f"{cost['target_step_ms']:.2f} ms; ratio bytes {cost['bytes_ratio']:.3f}, time {cost['time_ratio']:.3f}")
         summary["step_cost"] = cost
 
-    t0 = time.perf_counter()
-    messages = data_messages()
-    if _NUM_DATA.value:
-        messages = messages[: _NUM_DATA.value]
-    C.log(f"data: {len(messages)} prompts, {_GEN_TOKENS.value} new tokens each at most")
-    seqs, plens = generate_data(target, messages, work / "data", _GEN_TOKENS.value, _GEN_BATCH.value,
-                                _DATA_SECONDS.value)
-    data_seconds = time.perf_counter() - t0
+    seqs, plens, data_seconds, messages = load_data(target, work)
     tokens, mask = pack(seqs, plens, _SEQ.value)
     n_val = min(_VAL.value, len(tokens) // 4)
     val_tokens, val_mask, tokens, mask = tokens[:n_val], mask[:n_val], tokens[n_val:], mask[n_val:]

@@ -1,11 +1,17 @@
 """Drafters: what proposes the K tokens that the target verifies.
 
 `from_spec(draft, target, k)` turns the Engine's `draft` argument (None, "pld",
-"self:N", a Model, ("pld", Model)) into a drafter and its parameters. Every
-drafter is a frozen dataclass of static settings with two pure methods:
+"self:N", a Model, ("pld", Model), a FeatureDraft) into a drafter and its parameters.
+Every drafter is a frozen dataclass of static settings with two pure methods:
 
     state = drafter.init(params, prompt_BT, prompt_len_B, max_len)
     drafts_BK, num_draft_B, probs_BKV | None, state = drafter.propose(params, state, seq_BS, lengths_B, key, T)
+
+A drafter with `uses_features = True` (FeatureDrafter) reads the target's hidden states:
+`init` also gets the prompt's (features_BTD=...), and after every verification the loop
+hands it the features of the positions the target scored:
+
+    state = drafter.observe(state, features_BRD, base_B)   # fed position j of row b is base_B[b] + j
 
 `seq_BS` holds every row's committed tokens (prompt, then emitted ones) and
 `lengths_B` (L per row) indexes each row's pending token: the last emitted one, which the target
@@ -20,17 +26,18 @@ length are stale and masked by position, never erased.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from specjax import sampling
-from specjax.models import llama
+from specjax.models import feature_draft, llama
 from specjax.models.config import Config
 from specjax.models.model import Model
 
-SPECS = ("None", "a Model", "'pld'", "'self:N'", "('pld', Model)")
+SPECS = ("None", "a Model", "'pld'", "'self:N'", "('pld', Model)", "a FeatureDraft")
 
 
 def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temperature: float = 0.0):
@@ -48,6 +55,12 @@ def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temp
     if isinstance(draft, Model):
         check_vocab(target, draft)
         return ModelDrafter(draft.config, k, draft.dtype, draft.name or "draft"), draft.params
+    if isinstance(draft, feature_draft.FeatureDraft):
+        feature_draft.check_target(target.config, draft)
+        drafter = FeatureDrafter(draft.config, k, draft.dtype, draft.name)
+        # the target's embedding table is shared, not copied: the same buffer in both trees
+        return drafter, {"net": draft.params, "vocab_ids": jnp.asarray(draft.vocab_ids, jnp.int32),
+                         "embed": target.params["embed"]}
     if isinstance(draft, tuple) and len(draft) == 2 and draft[0] == "pld" and isinstance(draft[1], Model):
         check_vocab(target, draft[1])
         if temperature > 0:
@@ -232,3 +245,85 @@ class MultiLevel:
 
         drafts_BK, _, cache = jax.lax.while_loop(more, step, (drafts_BK, c_B, cache))
         return drafts_BK, jnp.full((B,), K, jnp.int32), None, cache
+
+
+@struct.dataclass(kw_only=True)
+class FeatureState:
+    cache: llama.KVCache  # the draft layer's keys and values (one layer)
+    feat_BRD: jax.Array  # the target's features at the positions it last scored
+    base_B: jax.Array  # int32[B]: position of feat_BRD[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureDrafter:
+    """A feature draft (`specjax.models.feature_draft`): K chained steps of one layer over the
+    target's hidden states. Each round first re-feeds the K + 1 positions the target scored
+    last, with their true features (the accepted ones are the row's new history; the rest is
+    overwritten before anything reads it), then continues on its own predictions.
+
+    Position j's input is (x_{j+1}, f_j): the pending token sits at L, so the round's first
+    draft comes from position L - 1, which the last verification scored (base + n).
+    """
+
+    config: Config  # the draft layer (the target's shape, one layer)
+    k: int
+    dtype: Any = jnp.float32
+    name: str = "feature-draft"
+    uses_features: ClassVar[bool] = True
+
+    def _embed(self, params, tokens_BT):
+        return llama.embed_tokens(params["embed"], tokens_BT, self.dtype)
+
+    def _choose(self, params, key, f_BD, temperature):
+        """(full-vocabulary token int32[B], probs over the full vocabulary or None)."""
+        ids_Vd = params["vocab_ids"]  # the head's columns in the full vocabulary
+        logits_BVd = feature_draft.logits(self.config, params["net"], f_BD, self.dtype)
+        d_B, q_BVd = _choose(key, logits_BVd, temperature)
+        q_BV = None
+        if q_BVd is not None:  # zero outside the reduced vocabulary: the rules' residual covers it
+            q_BV = jnp.zeros((f_BD.shape[0], self.config.vocab_size), q_BVd.dtype).at[:, ids_Vd].set(q_BVd)
+        return jnp.take(ids_Vd, d_B), q_BV
+
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD):
+        B, T = prompt_BT.shape
+        cache = llama.init_cache(self.config, B, max_len, self.dtype)
+        # position j reads x_{j+1}: the last prompt position waits for the first emitted token
+        next_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros_like(prompt_BT[:, :1])], axis=1)
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        _, cache = feature_draft.features(self.config, params["net"], self._embed(params, next_BT), features_BTD,
+                                          positions_BT, cache, self.dtype)
+        last_B = prompt_len_B - 1
+        f_BD = jnp.take_along_axis(features_BTD, last_B[:, None, None], axis=1)[:, 0]
+        feat_BRD = jnp.zeros((B, self.k + 1, self.config.hidden_size), self.dtype).at[:, 0].set(f_BD.astype(self.dtype))
+        return FeatureState(cache=cache, feat_BRD=feat_BRD, base_B=last_B)
+
+    def observe(self, state: FeatureState, features_BRD, base_B) -> FeatureState:
+        return state.replace(feat_BRD=features_BRD.astype(self.dtype), base_B=base_B)
+
+    def propose(self, params, state: FeatureState, seq_BS, lengths_B, key, temperature):
+        B, S = seq_BS.shape
+        R = self.k + 1
+        keys = jax.random.split(key, self.k)
+        pos_BR = state.base_B[:, None] + jnp.arange(R, dtype=jnp.int32)[None]
+        next_BR = jnp.take_along_axis(seq_BS, jnp.minimum(pos_BR + 1, S - 1), axis=1)
+        f_BRD, cache = feature_draft.features(self.config, params["net"], self._embed(params, next_BR),
+                                              state.feat_BRD, pos_BR, state.cache, self.dtype)
+        at_B = lengths_B - 1 - state.base_B  # position L - 1 in this feed
+        f_BD = jnp.take_along_axis(f_BRD, at_B[:, None, None], axis=1)[:, 0]
+        d0_B, q0_BV = self._choose(params, keys[0], f_BD, temperature)
+
+        def step(carry, xs):
+            d_B, f_BD, cache = carry
+            key, p = xs
+            f_B1D, cache = feature_draft.features(self.config, params["net"], self._embed(params, d_B[:, None]),
+                                                  f_BD[:, None], (lengths_B + p)[:, None], cache, self.dtype)
+            d_B, q_BV = self._choose(params, key, f_B1D[:, 0], temperature)
+            return (d_B, f_B1D[:, 0], cache), (d_B, q_BV)
+
+        (_, _, cache), (rest_KB, q_KBV) = jax.lax.scan(step, (d0_B, f_BD, cache),
+                                                       (keys[1:], jnp.arange(self.k - 1, dtype=jnp.int32)))
+        drafts_BK = jnp.concatenate([d0_B[:, None], rest_KB.T], axis=1)
+        probs_BKV = None
+        if temperature > 0:
+            probs_BKV = jnp.concatenate([q0_BV[:, None], jnp.moveaxis(q_KBV, 0, 1)], axis=1)
+        return drafts_BK, jnp.full((B,), self.k, jnp.int32), probs_BKV, state.replace(cache=cache)

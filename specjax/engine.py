@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from specjax import _checks, compile_cache, drafters, loop, metrics, native, sharding, verify
-from specjax.models import llama, quant
+from specjax.models import feature_draft, llama, quant
 from specjax.models.model import Model
 
 _CACHE_BUCKET = 64
@@ -68,8 +68,9 @@ class Engine:
 
     draft: None (target-only autoregressive decoding, the baseline), a `Model`
     sharing the target's vocabulary, "pld" (prompt lookup), "self:N" (the
-    target's first N layers), or ("pld", Model) (FLy's multi-level drafting);
-    see `drafters.from_spec`.
+    target's first N layers), ("pld", Model) (FLy's multi-level drafting), or a
+    `models.FeatureDraft` (one layer over the target's hidden states, trained by
+    experiments/train_feature_draft.py); see `drafters.from_spec`.
     method: a rule object (`verify.Fly(theta=0.2)`, ...) or a method name (greedy/exact,
     fly, asd, csd, typical, sampling) with its options as keyword arguments
     (`method="fly", theta=0.2`); at temperature > 0, greedy/exact verify by lossless
@@ -106,6 +107,9 @@ class Engine:
         _checks.engine_args(temperature=temperature, top_p=top_p, seed=seed, eos_ids=eos_ids)  # NaN, "12", 1.5
         compile_cache.enable()  # a second process with the same shapes loads its programs
         mesh_config = None if mesh is None else sharding.MeshConfig.of(mesh)  # validated before compiling
+        if mesh_config is not None and isinstance(draft, feature_draft.FeatureDraft):
+            raise ValueError("a FeatureDraft runs on one device only (its state has no sharding plan yet); "
+                             "pass mesh=None, or a draft Model / 'pld' on a mesh")
         if mesh_config is not None:  # attention="pad": zero heads appended so that they divide the model axis
             target, draft = sharding.prepare_models(mesh_config, target, draft)
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:

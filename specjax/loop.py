@@ -109,6 +109,11 @@ class Program:
         return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.layout.replicated)
 
     @property
+    def uses_features(self) -> bool:
+        """The drafter reads the target's hidden states (a feature draft)."""
+        return getattr(self.drafter, "uses_features", False)
+
+    @property
     def head_chunk(self) -> int:
         """Vocabulary columns per step of the LM head's scan (`quant.matmul_columns`): chunked on
         an unsharded CPU program, one whole dot on GPU/TPU or a vocabulary-split mesh."""
@@ -135,14 +140,23 @@ class Program:
         emits each row's first token, which belongs to no round."""
         B, T = prompt_BT.shape
         cache = self._shard("cache", llama.init_cache(self.config, B, self.max_len, self.dtype))
-        logits_B1V, cache = llama.forward_cached(self.config, params.target, prompt_BT, cache, dtype=self.dtype,
-                                                 select_BJ=(prompt_len_B - 1)[:, None])
+        select_BJ = (prompt_len_B - 1)[:, None]
+        if self.uses_features:  # the drafter reads the target's hidden states of the prompt
+            logits_B1V, feats_BTD, cache = llama.forward_features(self.config, params.target, prompt_BT, cache,
+                                                                  dtype=self.dtype, select_BJ=select_BJ)
+        else:
+            logits_B1V, cache = llama.forward_cached(self.config, params.target, prompt_BT, cache, dtype=self.dtype,
+                                                     select_BJ=select_BJ)
         logits_B1V = self._shard("logits", logits_B1V)
         key, sub = jax.random.split(key)
         first_B = sampling.sample(sub, logits_B1V[:, 0], self.temperature, self.top_p)
         seq_BS = self._shard("rows", jnp.zeros((B, self.max_len), jnp.int32).at[:, :T].set(prompt_BT))
-        draft_state = () if self.drafter is None else self.drafter.init(params.draft, prompt_BT, prompt_len_B,
-                                                                          self.max_len)
+        if self.drafter is None:
+            draft_state = ()
+        elif self.uses_features:
+            draft_state = self.drafter.init(params.draft, prompt_BT, prompt_len_B, self.max_len, features_BTD=feats_BTD)
+        else:
+            draft_state = self.drafter.init(params.draft, prompt_BT, prompt_len_B, self.max_len)
         state = LoopState(cache=cache._replace(lengths=prompt_len_B), seq_BS=seq_BS, prompt_len_B=prompt_len_B,
                           num_out_B=jnp.zeros((B,), jnp.int32), done_B=jnp.zeros((B,), bool), key=key,
                           draft_state=self._shard("draft_cache", draft_state), rule_state=rule_state,
@@ -172,7 +186,9 @@ class Program:
         # score: only as many positions as the live rows' longest proposal needs
         fed_BR = jnp.concatenate([pending(state)[:, None], drafts_BK], axis=1)
         width = jnp.max(jnp.where(live_B, num_draft_B, 0)) + 1
-        logits_BRV, cache = self.score(params, fed_BR, state.cache, width)
+        logits_BRV, cache, feats_BRD = self.score(params, fed_BR, state.cache, width)
+        if self.uses_features:  # the fed positions' true features, for the next round's drafts
+            draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)
         # verify (on a mesh, the rule reduces the vocabulary-sharded logits shard by shard)
         vocab_sharding = None if self.layout is None else self.layout.vocab_sharding
         with (verify.use_vocab_sharding(vocab_sharding) if vocab_sharding else contextlib.nullcontext(),
@@ -193,7 +209,8 @@ class Program:
         return state.replace(counters=counters)
 
     def score(self, params: Params, fed_BR, cache, width):
-        """The target's logits on the first `width` fed positions, padded to R = K + 1 rows.
+        """The target's logits on the first `width` fed positions, padded to R = K + 1 rows
+        (and its features there for a feature drafter; else None).
 
         A drafter may propose fewer than K tokens (prompt lookup, often none at all):
         on a CPU a 9-position forward costs about twice a 1-position one, so the
@@ -205,10 +222,17 @@ class Program:
 
         def at(w):
             def run(fed_BR, cache):
-                logits_BWV, cache = llama.forward_cached(self.config, params.target, fed_BR[:, :w], cache,
-                                                         dtype=self.dtype)
-                logits_BRV = jnp.pad(logits_BWV, ((0, 0), (0, R - w), (0, 0)))
-                return self._shard("logits", logits_BRV), self._shard("cache", cache)
+                pad = ((0, 0), (0, R - w), (0, 0))
+                if self.uses_features:
+                    logits_BWV, feats_BWD, cache = llama.forward_features(self.config, params.target, fed_BR[:, :w],
+                                                                          cache, dtype=self.dtype)
+                    feats_BRD = jnp.pad(feats_BWD, pad)
+                else:
+                    logits_BWV, cache = llama.forward_cached(self.config, params.target, fed_BR[:, :w], cache,
+                                                             dtype=self.dtype)
+                    feats_BRD = None
+                logits_BRV = jnp.pad(logits_BWV, pad)
+                return self._shard("logits", logits_BRV), self._shard("cache", cache), feats_BRD
             return run
 
         if len(widths) == 1:

@@ -108,6 +108,23 @@ def test_vmap_runs_the_kernel_per_example():
         np.testing.assert_array_equal(np.asarray(ys[i]), np.asarray(native.dot(xs[i], w)))
 
 
+def test_gradients_are_those_of_xla_dot():
+    """A custom call has no derivative; dot's custom JVP gives XLA's, to x and to a float w;
+    a block-coded weight is a constant (a tangent of its scales is refused by name)."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 64)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((64, 96)).astype(np.float32))
+    bq = block_weight(rng, 64, 96, 32)
+    for fn, ref in ((lambda x, w: native.dot(x, w), lambda x, w: x @ w),
+                    (lambda x, w: native.dot(x, bq), lambda x, w: x @ bq.dequantize())):
+        got = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(fn(x, w))), (0, 1)))(x, w)
+        want = jax.grad(lambda x, w: jnp.sum(jnp.sin(ref(x, w))), (0, 1))(x, w)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="block-coded weight has no derivative"):
+        jax.grad(lambda s: jnp.sum(native.dot(x, dataclasses.replace(bq, scale=s))))(bq.scale)
+
+
 @pytest.mark.parametrize("x_dtype, N, rows", [(jnp.bfloat16, 64, 1), (jnp.float32, 48, 1),
                                               (jnp.float32, 64, quant.NATIVE_MAX_ROWS + 1)])
 def test_what_the_kernel_cannot_take_goes_to_xla_unchanged(x_dtype, N, rows):

@@ -140,3 +140,45 @@ def test_binary_end_to_end(tmp_path):
     summary = json.loads((work / "summary.json").read_text())
     assert summary["step_cost"]["draft_bytes"] < summary["step_cost"]["target_bytes"]
     assert models.load(out, cache=False).config.hidden_size == 32
+
+
+def _train_feature(target, data, work, *, steps, stop_after=0):
+    from experiments import _feature_distill as F
+    from specjax.models import feature_draft
+
+    seqs, plens, _ = data
+    tokens, _ = T.pack(seqs, plens, 48)
+    lengths = [min(len(s), 49) for s in seqs]
+    feats, tops = F.target_features(target, tokens)
+    mask = F.valid_mask(lengths, tokens.shape[1])
+    ids = F.draft_vocab(tops, mask, target.config.eos_token_ids, 96)
+    labels = F.labels_in_vocab(tops, ids)
+    cfg = feature_draft.layer_config(target.config)
+    params = jax.device_get(feature_draft.init_params(target.config, target.params, ids, 0))
+    frozen = {"embed": np.asarray(target.params["embed"])}
+    data = (tokens, feats, labels, mask)
+    val = tuple(a[:2] for a in data)
+    out = F.train(cfg, params, frozen, data, val, work, make_optimizer=T.make_optimizer, steps=steps, batch=4,
+                  lr=1e-2, warmup=3, weight_decay=0.0, clip=1.0, seed=0, log_every=5, eval_every=10, ckpt_every=5,
+                  k=3, stop_after=stop_after)
+    return feature_draft.FeatureDraft(cfg, out, ids, "tiny-feature") if out is not None else None
+
+
+def test_feature_draft_loss_falls_resumes_and_runs_in_an_engine(target, data, tmp_path):
+    from specjax.models import feature_draft
+
+    final = _train_feature(target, data, tmp_path / "a", steps=20)
+    rows = _rows(tmp_path / "a")
+    losses = [r["loss"] for r in rows if "loss" in r]
+    agree = [r["eval"]["agree"] for r in rows if "eval" in r]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0] and agree[-1] > agree[0]
+    assert _train_feature(target, data, tmp_path / "b", steps=20, stop_after=10) is None
+    resumed = _train_feature(target, data, tmp_path / "b", steps=20)
+    for a, b in zip(jax.tree.leaves(final.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    feature_draft.save(final, tmp_path / "fd")
+    draft = _models.resolve_draft(str(tmp_path / "fd"), "random:tiny")  # what --draft DIR gives the binaries
+    assert isinstance(draft, feature_draft.FeatureDraft)
+    prompts = [list(map(int, s[:p])) for s, p in zip(data[0][:3], data[1][:3])]
+    ref = specjax.Engine(target, draft=None, max_new_tokens=16).generate(prompts).tokens
+    assert specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=16).generate(prompts).tokens == ref

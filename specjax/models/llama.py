@@ -164,18 +164,16 @@ class Transformer(nn.Module):
                    for w in jax.tree.leaves(stack, is_leaf=lambda w: isinstance(w, quant.PackedQuant)))
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None, select_BJ=None):
+    def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None, select_BJ=None, features=False):
         c = self.config
         # Stored [D, V], the LM head's layout: the tied head reads the whole table every
         # step (measured 1.5x faster than contracting a [V, D] table on CPU); the lookup
         # only gathers a few columns.
         # A block-quantized table (the GGUF's own codes) is read a chunk of columns at a time.
         embed_DV = _weight(self, "embed", (c.hidden_size, c.vocab_size))
-        if isinstance(embed_DV, quant.BlockQuant):
-            x_BTD = quant.take_columns(embed_DV, tokens_BT, self.dtype)
-        else:
+        x_BTD = embed_tokens(embed_DV, tokens_BT, self.dtype)
+        if not isinstance(embed_DV, quant.BlockQuant):
             embed_DV = embed_DV.astype(self.dtype)
-            x_BTD = jnp.moveaxis(jnp.take(embed_DV, tokens_BT, axis=1), 0, -1)
         cache_k, cache_v = cache_kv if cache_kv is not None else (None, None)
         if self.unrolled:
             carry = (x_BTD, cache_k, cache_v)
@@ -193,6 +191,7 @@ class Transformer(nn.Module):
         if not self.unrolled:
             (x_BTD, cache_k, cache_v), _ = layers((x_BTD, cache_k, cache_v), jnp.arange(c.num_layers),
                                                   positions_BT, write_pos_BT)
+        features_BTD = x_BTD  # the last layer's output at every position (a feature draft reads it)
         if select_BJ is not None:  # only these positions need logits (prefill: each row's last)
             x_BTD = jnp.take_along_axis(x_BTD, select_BJ[:, :, None], axis=1)
         x_BTD = RMSNorm(c.rms_norm_eps, name="final_norm")(x_BTD)
@@ -206,7 +205,17 @@ class Transformer(nn.Module):
             logits_BTV = jnp.where(real_V, logits_BTV, -jnp.inf)
         # float32 where the logits leave the model: the rules' gates, entropies and ledgers
         # are computed in float32 whatever the compute dtype (docs/rules.md)
+        if features:
+            return logits_BTV.astype(jnp.float32), (cache_k, cache_v), features_BTD
         return logits_BTV.astype(jnp.float32), (cache_k, cache_v)
+
+
+def embed_tokens(embed_DV, tokens_BT, dtype=jnp.float32):
+    """Token embeddings [B, T, D] from a [D, V] table, float or block-quantized (a few columns
+    are gathered, never the whole table dequantized)."""
+    if isinstance(embed_DV, quant.BlockQuant):
+        return quant.take_columns(embed_DV, tokens_BT, dtype)
+    return jnp.moveaxis(jnp.take(embed_DV.astype(dtype), tokens_BT, axis=1), 0, -1)
 
 
 def forward(config: Config, params, tokens_BT, *, dtype=jnp.float32):
@@ -231,6 +240,23 @@ def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=j
     logits, (k, v) = Transformer(config, dtype, is_unrolled(params)).apply(
         {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT, select_BJ)
     return logits, KVCache(k, v, cache.lengths)
+
+
+def forward_features(config: Config, params, tokens_BT, cache: KVCache | None = None, *, dtype=jnp.float32,
+                     select_BJ=None):
+    """`forward` (cache None) or `forward_cached`, also returning the last layer's output before
+    the final norm at every fed position: (logits, features [B, T, D] in `dtype`, cache or None).
+    The target's features are what a feature draft (`specjax.models.feature_draft`) reads."""
+    B, T = tokens_BT.shape
+    if cache is None:
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        logits, _, feats = Transformer(config, dtype, is_unrolled(params)).apply(
+            {"params": params}, tokens_BT, positions_BT, select_BJ=select_BJ, features=True)
+        return logits, feats, None
+    positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    logits, (k, v), feats = Transformer(config, dtype, is_unrolled(params)).apply(
+        {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT, select_BJ, True)
+    return logits, feats, KVCache(k, v, cache.lengths)
 
 
 def is_unrolled(params) -> bool:

@@ -120,7 +120,40 @@ def supports(x, w, stacked: bool = False) -> bool:
 def dot(x_MK: jax.Array, w, layer=None) -> jax.Array:
     """float32[M, N] = x @ w, with w a float32 [K, N] array, a BlockQuant (codes [K/bs, bs, N]) or
     a PackedQuant (tile-major codes [N/32, K or K/2, 32]). With `layer` (an int32 scalar, traced
-    or not), w is a PackedQuant stack [L, ...] and layer `layer` is read where it lies."""
+    or not), w is a PackedQuant stack [L, ...] and layer `layer` is read where it lies.
+
+    Differentiable (a custom call is not): tangents go through XLA's dot of the same values, to
+    x, and to a float w; a block-coded weight is a constant (a tangent of its scales is refused)."""
+    return _dot(x_MK, w, layer)
+
+
+@jax.custom_jvp
+def _dot(x_MK, w, layer):
+    return _ffi_dot(x_MK, w, layer)
+
+
+@functools.partial(_dot.defjvp, symbolic_zeros=True)
+def _dot_jvp(primals, tangents):
+    from specjax.models import quant
+
+    x_MK, w, layer = primals  # the layer index is an integer: no tangent
+    dx_MK, dw, _ = tangents
+    y = _dot(x_MK, w, layer)
+    w_KN = quant.materialize(w if layer is None else quant.layer_of(w, layer))
+    dy = jnp.zeros_like(y)
+    if not isinstance(dx_MK, jax.custom_derivatives.SymbolicZero):
+        dy = dy + dx_MK @ w_KN
+    dw_leaves = [t for t in jax.tree.leaves(dw, is_leaf=lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero))
+                 if not isinstance(t, jax.custom_derivatives.SymbolicZero)]
+    if dw_leaves:
+        if quant.is_quantized(w):
+            raise ValueError("native.dot: a block-coded weight has no derivative here (its codes are integers); "
+                             "differentiate a float weight, or run under quant.native_matmul(False)")
+        dy = dy + x_MK @ (dw if layer is None else quant.layer_of(dw, layer))
+    return y, dy
+
+
+def _ffi_dot(x_MK, w, layer):
     from specjax.models.quant import BlockQuant, PackedQuant
 
     if not available():

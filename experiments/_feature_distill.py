@@ -1,0 +1,272 @@
+"""train_draft.py --arch=feature: distils a feature draft (`specjax.models.feature_draft`).
+
+Data are the same greedy continuations as the model drafts'. The target is run once over each
+training sequence (teacher-forced) and its last-layer features and argmax tokens are kept
+(features.npz in the work directory). The draft at position j reads (x_{j+1}, f_j) and is
+trained on two losses: cross-entropy of its reduced-vocabulary logits against the target's
+argmax at j + 1 (the token after x_{j+1}), and a smooth-L1 regression of its predicted
+feature on f_{j+1} (scaled by the sequence's feature RMS: the residual stream has a few very
+large coordinates). Input features get uniform noise (--feature_noise, relative to that RMS)
+so that the chained steps, which read the draft's own predictions, see inputs like those of
+training.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import time
+
+import numpy as np
+
+try:
+    from experiments import _common as C
+except ImportError:
+    import _common as C
+
+
+def target_features(target, tokens_NT, batch: int = 8):
+    """(features float32[N, T, D], argmax int32[N, T]) of the target teacher-forced on tokens_NT."""
+    import jax
+    import jax.numpy as jnp
+    from specjax.models import llama
+
+    @jax.jit
+    def run(params, toks):
+        logits, feats, _ = llama.forward_features(target.config, params, toks, dtype=target.dtype)
+        return feats.astype(jnp.float32), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    feats, tops = [], []
+    for i in range(0, len(tokens_NT), batch):
+        chunk = tokens_NT[i: i + batch]
+        pad = batch - len(chunk)
+        f, t = run(target.params, np.pad(chunk, ((0, pad), (0, 0))))
+        feats.append(np.asarray(f)[: len(chunk)])
+        tops.append(np.asarray(t)[: len(chunk)])
+    return np.concatenate(feats), np.concatenate(tops)
+
+
+def cached_features(target, tokens_NT, work: pathlib.Path):
+    """target_features, saved once in work/features.npz (recomputed if the tokens changed)."""
+    path = work / "features.npz"
+    if path.exists():
+        z = np.load(path)
+        if z["tokens"].shape == tokens_NT.shape and np.array_equal(z["tokens"], tokens_NT):
+            return z["features"], z["argmax"]
+    t0 = time.perf_counter()
+    feats, tops = target_features(target, tokens_NT)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, tokens=tokens_NT, features=feats, argmax=tops)
+    tmp.replace(path)
+    C.log(f"features: {tokens_NT.size} positions of the target in {time.perf_counter() - t0:.0f}s")
+    return feats, tops
+
+
+def valid_mask(lengths_N, T: int) -> np.ndarray:
+    """float32[N, T - 2]: 1 where position j's label (the target's argmax at j + 1, predicting
+    x_{j+2}) lies inside the sequence."""
+    j = np.arange(T - 2)[None]
+    return (j + 2 < np.asarray(lengths_N)[:, None]).astype(np.float32)
+
+
+def draft_vocab(tops_NT, mask_NT2, eos_ids, n: int) -> np.ndarray:
+    """The n tokens the target chooses most often on the training positions (EOS included),
+    as sorted int32 ids."""
+    labels = tops_NT[:, 1:-1][mask_NT2 > 0]
+    ids, counts = np.unique(labels, return_counts=True)
+    keep = list(ids[np.argsort(-counts, kind="stable")][:n])
+    for e in eos_ids:
+        if e not in keep:
+            keep = keep[: n - 1] + [e] if len(keep) >= n else keep + [e]
+    return np.sort(np.asarray(keep, np.int32))
+
+
+def coverage(tops_NT, mask_NT2, ids) -> float:
+    labels = tops_NT[:, 1:-1][mask_NT2 > 0]
+    return float(np.isin(labels, ids).mean())
+
+
+@functools.cache
+def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_decay: float, clip: float,
+             noise: float, reg_weight: float):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from specjax.models import feature_draft as FD
+    from specjax.models import llama
+
+    optimizer, _ = make_optimizer(steps, lr, warmup, weight_decay, clip)
+
+    def forward(train, frozen, tokens_BT, feats_BTD, key):
+        """Predicted features and reduced logits at positions 0 .. T - 3."""
+        B, T = tokens_BT.shape
+        f_in = feats_BTD[:, : T - 2]
+        rms_B11 = jnp.sqrt(jnp.mean(jnp.square(feats_BTD), axis=(1, 2), keepdims=True)) + 1e-6
+        if key is not None and noise > 0:
+            f_in = f_in + noise * rms_B11 * jax.random.uniform(key, f_in.shape, minval=-1.0, maxval=1.0)
+        emb = llama.embed_tokens(frozen["embed"], tokens_BT[:, 1: T - 1])
+        pos = jnp.broadcast_to(jnp.arange(T - 2, dtype=jnp.int32), (B, T - 2))
+        f_hat, _ = FD.features(cfg, train, emb, f_in, pos)
+        return f_hat, FD.logits(cfg, train, f_hat), rms_B11
+
+    def loss_fn(train, frozen, tokens_BT, feats_BTD, labels_BT2, mask_BT2, key):
+        f_hat, logits, rms_B11 = forward(train, frozen, tokens_BT, feats_BTD, key)
+        in_vocab = labels_BT2 >= 0
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels_BT2, 0))
+        m_ce = mask_BT2 * in_vocab
+        ce = jnp.sum(ce * m_ce) / jnp.maximum(jnp.sum(m_ce), 1.0)
+        reg = jnp.mean(optax.huber_loss(f_hat / rms_B11, feats_BTD[:, 1:-1] / rms_B11), axis=-1)
+        reg = jnp.sum(reg * mask_BT2) / jnp.maximum(jnp.sum(mask_BT2), 1.0)
+        return ce + reg_weight * reg, (ce, reg)
+
+    @jax.jit
+    def train_step(train, frozen, opt_state, tokens_BT, feats_BTD, labels_BT2, mask_BT2, key):
+        (loss, (ce, reg)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            train, frozen, tokens_BT, feats_BTD, labels_BT2, mask_BT2, key)
+        updates, opt_state = optimizer.update(grads, opt_state, train)
+        return optax.apply_updates(train, updates), opt_state, loss, ce, reg
+
+    @jax.jit
+    def predict(train, frozen, tokens_BT, feats_BTD):
+        """Index into the reduced vocabulary of the draft's choice at positions 0 .. T - 3."""
+        _, logits, _ = forward(train, frozen, tokens_BT, feats_BTD, None)
+        return jnp.argmax(logits, axis=-1)
+
+    return optimizer, train_step, predict
+
+
+def labels_in_vocab(tops_NT, ids) -> np.ndarray:
+    """int32[N, T - 2]: index in the reduced vocabulary of the target's argmax at j + 1 (-1: outside)."""
+    lut = np.full(int(max(tops_NT.max(), ids.max())) + 1, -1, np.int32)
+    lut[ids] = np.arange(len(ids), dtype=np.int32)
+    return lut[tops_NT[:, 1:-1]]
+
+
+def agreement(pred_NT2, labels_NT2, mask_NT2, k: int) -> dict:
+    """Held-out agreement of the draft's first step with the target (teacher-forced, true
+    features) and the tau@k these runs would give if later steps did as well: an upper bound,
+    since chained steps read predicted features (the engine's tau is the real figure)."""
+    agree = (pred_NT2 == labels_NT2) & (labels_NT2 >= 0) & (mask_NT2 > 0)
+    runs = np.zeros(agree.shape, np.int64)
+    for j in range(k):
+        ok = np.ones(agree.shape, bool)
+        for t in range(j + 1):
+            shifted = np.zeros(agree.shape, bool)
+            shifted[:, : agree.shape[1] - t] = agree[:, t:]
+            ok &= shifted
+        runs += ok
+    m = mask_NT2 > 0
+    return {"agree": float(agree[m].mean()), f"tau_at_{k}": float(1.0 + runs[m].mean())}
+
+
+def train(cfg, train_params, frozen, data, val, work: pathlib.Path, *, make_optimizer, steps, batch, lr, warmup,
+          weight_decay, clip, seed, log_every, eval_every, ckpt_every, k, stop_after=0, noise=0.1, reg_weight=1.0):
+    """Runs (or resumes) training; data/val = (tokens, feats, labels, mask). Returns the trained
+    params (None after --stop_after). Appends to work/metrics.jsonl."""
+    import json
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    optimizer, train_step, predict = make_fns(cfg, make_optimizer, steps, lr, warmup, weight_decay, clip, noise,
+                                                     reg_weight)
+    opt_state = optimizer.init(train_params)
+    mngr = ocp.CheckpointManager((work / "ckpt").resolve(),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    step0 = 0
+    if mngr.latest_step() is not None:
+        step0 = mngr.latest_step()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"train": train_params, "opt": opt_state})
+        restored = mngr.restore(step0, args=ocp.args.StandardRestore(abstract))
+        train_params, opt_state = restored["train"], restored["opt"]
+        C.log(f"resumed from the checkpoint of step {step0}")
+
+    def record(row):
+        with open(work / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def evaluate(step):
+        vt, vf, vl, vm = val
+        preds = np.concatenate([np.asarray(predict(train_params, frozen, vt[i: i + batch], vf[i: i + batch]))
+                                for i in range(0, len(vt), batch)])
+        acc = agreement(preds, vl, vm, k)
+        C.log(f"step {step}: held-out first-step agreement {acc['agree']:.3f}, tau@{k} bound {acc[f'tau_at_{k}']:.2f}")
+        record({"step": step, "eval": acc})
+
+    if step0 == 0:
+        evaluate(0)
+    tokens, feats, labels, mask = data
+    n = len(tokens)
+    window_tokens, window_start, losses = 0.0, time.perf_counter(), []
+    for step in range(step0, steps):
+        rows = np.random.default_rng([seed, step]).choice(n, size=batch, replace=n < batch)  # same after a resume
+        key = jax.random.PRNGKey(seed * 1_000_003 + step)
+        train_params, opt_state, loss, ce, reg = train_step(train_params, frozen, opt_state, tokens[rows], feats[rows],
+                                                            labels[rows], mask[rows], key)
+        losses.append((float(loss), float(ce), float(reg)))
+        window_tokens += float(mask[rows].sum())
+        done = step + 1
+        if done % log_every == 0 or done == steps:
+            el = time.perf_counter() - window_start
+            mean = np.mean(losses, axis=0)
+            C.log(f"step {done}/{steps}: loss {mean[0]:.3f} (ce {mean[1]:.3f}, feature {mean[2]:.3f}), "
+                  f"{window_tokens / el:.0f} tokens/s")
+            record({"step": done, "loss": float(mean[0]), "ce": float(mean[1]), "feature": float(mean[2]),
+                    "tokens_per_s": window_tokens / el, "tokens_seen": done * batch * float(mask.sum(1).mean())})
+            window_tokens, window_start, losses = 0.0, time.perf_counter(), []
+        if done % ckpt_every == 0 or done == steps:
+            mngr.save(done, args=ocp.args.StandardSave({"train": train_params, "opt": opt_state}))
+            mngr.wait_until_finished()
+        if done % eval_every == 0 or done == steps:
+            evaluate(done)
+        if stop_after and done - step0 >= stop_after:
+            mngr.wait_until_finished()
+            C.log(f"stopping after {stop_after} steps (--stop_after)")
+            return None
+    mngr.wait_until_finished()
+    return train_params
+
+
+def step_cost(target, draft, rounds: int, context: int = 256) -> dict:
+    """Bytes read and seconds of one cached step (batch 1): the feature draft's (layer + reduced
+    head, the embedding gather) against the target's, timed interleaved."""
+    import jax
+    import jax.numpy as jnp
+    from specjax.models import feature_draft as FD
+    from specjax.models import llama, quant
+
+    import specjax
+
+    engine = specjax.Engine(target, draft, method="exact", k=1)  # the parameters as generation reads them
+    tparams, dparams = engine.params.target, engine.params.draft
+    cache_t = llama.init_cache(target.config, 1, context + 8, target.dtype)._replace(
+        lengths=jnp.full((1,), context, jnp.int32))
+    tok = jnp.ones((1, 1), jnp.int32)
+
+    @jax.jit
+    def f_t(p, c):
+        with quant.native_matmul(quant.default_native()):  # the kernel the engine uses, if any
+            return llama.forward_cached(target.config, p, tok, c, dtype=target.dtype)
+    cache_d = llama.init_cache(draft.config, 1, context + 8, jnp.float32)
+    pos = jnp.full((1, 1), context, jnp.int32)
+
+    @jax.jit
+    def f_d(p, c):
+        zero_f = jnp.zeros((1, 1, draft.config.hidden_size))
+        f, c = FD.features(draft.config, p["net"], llama.embed_tokens(p["embed"], tok), zero_f, pos, c)
+        return jnp.argmax(FD.logits(draft.config, p["net"], f), axis=-1), c
+
+    run_t = lambda: jax.block_until_ready(f_t(tparams, cache_t))  # noqa: E731
+    run_d = lambda: jax.block_until_ready(f_d(dparams, cache_d))  # noqa: E731
+    run_t(), run_d()
+    tt, td = [], []
+    for _ in range(rounds):
+        for fn, acc in ((run_t, tt), (run_d, td)):
+            s = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - s)
+    tb = quant.param_bytes(target.params)
+    db = quant.param_bytes(draft.params)
+    return {"target_bytes": tb, "draft_bytes": db, "bytes_ratio": db / tb,
+            "target_step_ms": 1e3 * float(np.median(tt)), "draft_step_ms": 1e3 * float(np.median(td)),
+            "time_ratio": float(np.median(td) / np.median(tt)), "rounds": rounds, "context": context}

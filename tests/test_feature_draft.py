@@ -1,0 +1,180 @@
+"""The feature draft (specjax.models.feature_draft) and its drafter in the engine's loop."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import drafters
+from specjax.models import feature_draft as FD
+from specjax.models import llama
+
+from experiments._models import random_tiny
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_tiny(0)
+
+
+def make_draft(target, seed=1, scale=1.0, ids=None, dtype=jnp.float32):
+    """A random feature draft; `scale` sharpens fc and the head so that drafts vary with the input."""
+    ids = np.arange(0, target.config.vocab_size, 3, dtype=np.int32) if ids is None else ids
+    params = FD.init_params(target.config, target.params, ids, seed=seed)
+    params = dict(params, fc_w=params["fc_w"] * scale * 20)
+    return FD.FeatureDraft(FD.layer_config(target.config), params, ids, "test-draft", dtype=dtype)
+
+
+def reference_drafts(target, draft, seq, L, K):
+    """The K greedy drafts after the pending token seq[L], recomputed from scratch: the target's
+    features over seq[:L] (one full forward), then the draft layer over every position without
+    a cache, one whole forward per chained step."""
+    _, feats, _ = llama.forward_features(target.config, target.params, jnp.asarray(seq[None, :L]))
+    toks, fs = list(seq[: L + 1]), list(np.asarray(feats[0]))
+    out = []
+    for _ in range(K):
+        P = len(fs)
+        emb = llama.embed_tokens(target.params["embed"], jnp.asarray([toks[1: P + 1]]))
+        f_hat, _ = FD.features(draft.config, draft.params, emb, jnp.asarray([fs]),
+                               jnp.arange(P, dtype=jnp.int32)[None])
+        logits = FD.logits(draft.config, draft.params, f_hat[:, -1])
+        d = int(draft.vocab_ids[int(jnp.argmax(logits[0]))])
+        out.append(d)
+        toks.append(d)
+        fs.append(np.asarray(f_hat[0, -1]))
+    return out
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_drafter_state_matches_a_from_scratch_reference(target, K):
+    """Random acceptance lengths and ragged rows: after every verification the drafter's cache
+    and features give the drafts a cache-free recomputation gives."""
+    draft = make_draft(target)
+    drafter, dparams = drafters.from_spec(draft, target, K)
+    tc = target.config
+    prompts = [[5, 9, 14, 3, 7, 22, 8], [40, 41, 42]]
+    B, T, S = 2, 7, 64
+    prompt_BT = np.zeros((B, T), np.int32)
+    for b, p in enumerate(prompts):
+        prompt_BT[b, : len(p)] = p
+    plen_B = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    cache = llama.init_cache(tc, B, S)
+    _, feats, cache = llama.forward_features(tc, target.params, jnp.asarray(prompt_BT), cache)
+    state = drafter.init(dparams, jnp.asarray(prompt_BT), plen_B, S, features_BTD=feats)
+    rng = np.random.default_rng(0)
+    seq = np.zeros((B, S), np.int32)
+    seq[:, :T] = prompt_BT
+    L = np.asarray(plen_B)
+    seq[np.arange(B), L] = rng.integers(0, tc.vocab_size, B)  # the first emitted (pending) token
+    cache = cache._replace(lengths=jnp.asarray(L))
+    for _ in range(6):
+        drafts, num, probs, state = drafter.propose(dparams, state, jnp.asarray(seq), jnp.asarray(L),
+                                                    jax.random.PRNGKey(0), 0.0)
+        assert probs is None and np.all(np.asarray(num) == K)
+        for b in range(B):
+            assert list(np.asarray(drafts[b])) == reference_drafts(target, draft, seq[b], int(L[b]), K), b
+        fed = jnp.concatenate([jnp.asarray(seq[np.arange(B), L])[:, None], drafts], axis=1)
+        _, feats, cache = llama.forward_features(tc, target.params, fed, cache)
+        state = drafter.observe(state, feats, jnp.asarray(L))
+        n = rng.integers(0, K + 1, B)  # accepted drafts per row, then a correction token
+        for b in range(B):
+            seq[b, L[b] + 1: L[b] + 1 + n[b]] = np.asarray(drafts[b, : n[b]])
+            seq[b, L[b] + 1 + n[b]] = rng.integers(0, tc.vocab_size)
+        L = L + n + 1
+        cache = cache._replace(lengths=jnp.asarray(L))
+
+
+@pytest.mark.parametrize("K", [1, 4])
+def test_exact_with_a_feature_draft_is_the_target(target, K):
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [100] * 20]
+    base = specjax.Engine(target, None, max_new_tokens=24).generate(prompts)
+    out = specjax.Engine(target, make_draft(target), method="exact", k=K, max_new_tokens=24).generate(prompts)
+    assert out.tokens == base.tokens
+
+
+def test_a_draft_that_predicts_the_target_is_accepted(target):
+    """A draft whose prediction is the target's own next feature would be perfect; trained for a
+    few steps on the target's greedy output it must already beat a random draft's tau."""
+    import optax
+
+    prompt = [[5, 6, 7, 8, 9, 10, 11, 12]]
+    greedy = specjax.Engine(target, None, max_new_tokens=40).generate(prompt)
+    seq = np.asarray(prompt[0] + greedy.tokens[0], np.int32)[None]
+    logits, feats, _ = llama.forward_features(target.config, target.params, jnp.asarray(seq))
+    tops = np.asarray(jnp.argmax(logits, -1))
+    draft = make_draft(target, ids=np.arange(target.config.vocab_size, dtype=np.int32), scale=0.05)
+    emb = llama.embed_tokens(target.params["embed"], jnp.asarray(seq[:, 1:-1]))
+    pos = jnp.arange(seq.shape[1] - 2, dtype=jnp.int32)[None]
+
+    def loss(p):
+        f_hat, _ = FD.features(draft.config, p, emb, feats[:, :-2], pos)
+        lg = FD.logits(draft.config, p, f_hat)
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(lg, jnp.asarray(tops[:, 1:-1])))
+
+    opt = optax.adam(3e-3)
+
+    @jax.jit
+    def step(p, st):
+        value, grads = jax.value_and_grad(loss)(p)
+        updates, st = opt.update(grads, st, p)
+        return optax.apply_updates(p, updates), st, value
+
+    p, st = draft.params, opt.init(draft.params)
+    first = float(loss(p))
+    for _ in range(150):
+        p, st, last = step(p, st)
+    assert float(last) < 0.5 * first
+    trained = dataclasses.replace(draft, params=p)
+    taus = [specjax.Engine(target, d, method="exact", k=4, max_new_tokens=40).generate(prompt).stats["tau"]
+            for d in (draft, trained)]
+    assert taus[1] > taus[0] + 0.5, taus
+
+
+def test_sampling_and_loose_rules_run(target):
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    draft = make_draft(target)
+    for kw in ({"method": "fly"}, {"method": "asd"}, {"method": "csd"},
+               {"method": "exact", "temperature": 0.8, "seed": 3}):
+        out = specjax.Engine(target, draft, k=3, max_new_tokens=16, **kw).generate(prompts)
+        assert [len(t) for t in out.tokens] == [16, 16] or any(target.config.eos_token_ids[0] in t for t in out.tokens)
+        assert all(0 <= x < target.config.vocab_size for t in out.tokens for x in t)
+
+
+def test_bfloat16(target):
+    t16 = dataclasses.replace(target, params=llama.cast_params(target.params, jnp.bfloat16), dtype=jnp.bfloat16)
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
+    base = specjax.Engine(t16, None, max_new_tokens=16).generate(prompts)
+    out = specjax.Engine(t16, make_draft(target, dtype=jnp.bfloat16), method="exact", k=3,
+                         max_new_tokens=16).generate(prompts)
+    assert out.tokens == base.tokens
+
+
+def test_save_load_round_trip(target, tmp_path):
+    draft = make_draft(target)
+    FD.save(draft, tmp_path / "d")
+    back = FD.load(tmp_path / "d")
+    assert back.config == draft.config and np.array_equal(back.vocab_ids, draft.vocab_ids)
+    for a, b in zip(jax.tree.leaves(draft.params), jax.tree.leaves(back.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    prompts = [[5, 6, 7, 8]]
+    outs = [specjax.Engine(target, d, method="fly", k=3, max_new_tokens=12).generate(prompts).tokens
+            for d in (draft, back)]
+    assert outs[0] == outs[1]
+    with pytest.raises(FileNotFoundError, match="not a feature draft"):
+        FD.load(tmp_path)
+
+
+def test_named_errors(target):
+    wide = dataclasses.replace(make_draft(target), config=dataclasses.replace(FD.layer_config(target.config),
+                                                                               hidden_size=128))
+    with pytest.raises(ValueError, match="hidden_size 128 in the draft, 64 in the target"):
+        specjax.Engine(target, wide, method="exact")
+    bad_ids = make_draft(target, ids=np.asarray([0, target.config.vocab_size], np.int32))
+    with pytest.raises(ValueError, match="vocab_ids"):
+        specjax.Engine(target, bad_ids, method="exact")
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="FeatureDraft runs on one device"):
+        specjax.Engine(target, make_draft(target), method="exact", mesh=mesh)
