@@ -10,7 +10,7 @@ import pytest
 import specjax
 from specjax import drafters
 from specjax.models import feature_draft as FD
-from specjax.models import llama
+from specjax.models import llama, quant
 
 from experiments._models import random_tiny
 
@@ -136,7 +136,7 @@ def test_a_draft_that_predicts_the_target_is_accepted(target):
 def test_sampling_and_loose_rules_run(target):
     prompts = [[5, 6, 7, 8], [9, 10]]
     draft = make_draft(target)
-    for kw in ({"method": "fly"}, {"method": "asd"}, {"method": "csd"},
+    for kw in ({"method": "fly"}, {"method": "csd"},
                {"method": "exact", "temperature": 0.8, "seed": 3}):
         out = specjax.Engine(target, draft, k=3, max_new_tokens=16, **kw).generate(prompts)
         assert [len(t) for t in out.tokens] == [16, 16] or any(target.config.eos_token_ids[0] in t for t in out.tokens)
@@ -165,6 +165,25 @@ def test_save_load_round_trip(target, tmp_path):
     assert outs[0] == outs[1]
     with pytest.raises(FileNotFoundError, match="not a feature draft"):
         FD.load(tmp_path)
+
+
+def test_int8_draft_is_close_and_round_trips(target, tmp_path):
+    draft = make_draft(target)
+    q = FD.quantize(draft)
+    assert isinstance(q.params["layer"]["wo"], quant.BlockQuant) and isinstance(q.params["head"], quant.BlockQuant)
+    e_BTD = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 64))
+    f_BTD = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 64))
+    pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    a, _ = FD.features(draft.config, draft.params, e_BTD, f_BTD, pos)
+    b, _ = FD.features(q.config, q.params, e_BTD, f_BTD, pos)
+    assert float(jnp.max(jnp.abs(a - b))) < 0.02 * float(jnp.max(jnp.abs(a)))
+    FD.save(q, tmp_path / "q")
+    back = FD.load(tmp_path / "q")
+    c, _ = FD.features(back.config, back.params, e_BTD, f_BTD, pos)
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
+    base = specjax.Engine(target, None, max_new_tokens=16).generate(prompts)
+    assert specjax.Engine(target, back, method="exact", k=3, max_new_tokens=16).generate(prompts).tokens == base.tokens
 
 
 def test_named_errors(target):

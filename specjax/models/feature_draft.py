@@ -91,7 +91,7 @@ def features(config: Config, params, embed_BTD, feat_BTD, positions_BT, cache: l
     """Predicted next features f^[B, T, D] at `positions_BT` (and the cache with their keys and
     values written; None: attend over this call's tokens only, as in training)."""
     z_BTD = jnp.concatenate([embed_BTD.astype(dtype), feat_BTD.astype(dtype)], axis=-1)
-    z_BTD = z_BTD @ params["fc_w"].astype(dtype) + params["fc_b"].astype(dtype)
+    z_BTD = quant.contract("btd,de->bte", z_BTD, params["fc_w"], 1, dtype) + params["fc_b"].astype(dtype)
     kv = (None, None) if cache is None else (cache.k, cache.v)
     (f_BTD, k, v), _ = llama.Block(config, dtype).apply(
         {"params": params["layer"]}, (z_BTD, *kv), 0, positions_BT, None if cache is None else positions_BT)
@@ -99,9 +99,39 @@ def features(config: Config, params, embed_BTD, feat_BTD, positions_BT, cache: l
 
 
 def logits(config: Config, params, feat_BTD, dtype=jnp.float32):
-    """float32[B, T, Vd] over the reduced vocabulary."""
+    """float32[..., Vd] over the reduced vocabulary, for features [..., D]."""
     h = llama.RMSNorm(config.rms_norm_eps).apply({"params": {"scale": params["norm"]}}, feat_BTD.astype(dtype))
-    return (h @ params["head"].astype(dtype)).astype(jnp.float32)
+    lead = h.shape[:-1]  # [B, T] or [B]
+    h = h.reshape(1, -1, h.shape[-1])
+    return quant.contract("btd,dv->btv", h, params["head"], 1, dtype).astype(jnp.float32).reshape(*lead, -1)
+
+
+LINEAR = {"fc_w": 1, "head": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+
+
+def quantize(draft: FeatureDraft, block: int = 32) -> FeatureDraft:
+    """The draft with its matrices as int8 codes and a float32 scale per block of `block` input
+    rows per output column (symmetric, like GGUF's Q8_0): a step reads ~1 byte per weight instead
+    of 4, which is what a memory-bound CPU step costs. Norms and biases stay float."""
+
+    def q(name, w):
+        n_in = LINEAR.get(name)
+        if n_in is None or quant.is_quantized(w):
+            return w
+        w = np.asarray(w, np.float32)
+        shape = w.shape
+        K, N = int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))
+        if K % block:
+            return w  # a width that blocks do not tile stays float
+        w3 = w.reshape(K // block, block, N)
+        scale = np.max(np.abs(w3), axis=1, keepdims=True) / 127.0
+        codes = np.round(w3 / np.where(scale > 0, scale, 1.0)).astype(np.int8)
+        return quant.BlockQuant(jnp.asarray(codes), jnp.asarray(scale.astype(np.float32)), None, shape)
+
+    def walk(tree):
+        return {k: walk(v) if isinstance(v, dict) else q(k, v) for k, v in tree.items()}
+
+    return dataclasses.replace(draft, params=walk(draft.params))
 
 
 def check_target(target_config: Config, draft: FeatureDraft) -> None:
@@ -120,24 +150,53 @@ def check_target(target_config: Config, draft: FeatureDraft) -> None:
 # -- files ------------------------------------------------------------------------------------
 
 def _flat(params, prefix=""):
+    """{path: array}; a BlockQuant w is saved as path@codes, path@scale (its shape is the
+    parameter's, known from the config)."""
     out = {}
     for k, v in params.items():
         if isinstance(v, dict):
             out.update(_flat(v, f"{prefix}{k}/"))
+        elif isinstance(v, quant.BlockQuant):
+            out[f"{prefix}{k}@codes"] = np.asarray(v.codes, np.int8)
+            out[f"{prefix}{k}@scale"] = np.asarray(v.scale, np.float32)
         else:
             out[f"{prefix}{k}"] = np.asarray(v, np.float32)
     return out
 
 
-def _nest(flat):
+def _nest(flat, shapes):
     out: dict = {}
     for key, v in flat.items():
-        *path, leaf = key.split("/")
+        if key.endswith("@scale"):
+            continue
+        name = key.split("@")[0]
+        *path, leaf = name.split("/")
         d = out
         for p in path:
             d = d.setdefault(p, {})
-        d[leaf] = jnp.asarray(v)
+        if key.endswith("@codes"):
+            d[leaf] = quant.BlockQuant(jnp.asarray(v), jnp.asarray(flat[name + "@scale"]), None, tuple(shapes[name]))
+        else:
+            d[leaf] = jnp.asarray(v)
     return out
+
+
+def param_shapes(config: Config, draft_vocab: int) -> dict:
+    """{path: logical shape} of every parameter."""
+    D = config.hidden_size
+    fresh = jax.eval_shape(lambda: llama.Block(config).init(
+        jax.random.PRNGKey(0), (jnp.zeros((1, 1, D)), None, None), 0, jnp.zeros((1, 1), jnp.int32), None))
+    shapes = {f"layer/{k}": v.shape for k, v in _flat_shapes(fresh["params"])}
+    shapes.update({"fc_w": (2 * D, D), "fc_b": (D,), "norm": (D,), "head": (D, draft_vocab)})
+    return shapes
+
+
+def _flat_shapes(tree, prefix=""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flat_shapes(v, f"{prefix}{k}/")
+        else:
+            yield f"{prefix}{k}", v
 
 
 def _config_dict(c: Config) -> dict:
@@ -188,5 +247,6 @@ def load(directory: str | os.PathLike, dtype=jnp.float32) -> FeatureDraft:
         raise ValueError(f"{d / CONFIG_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
     flat = load_file(str(d / PARAMS_FILE))
     vocab_ids = np.asarray(flat.pop("vocab_ids"), np.int32)
-    return FeatureDraft(_config_from(meta["config"]), _nest(flat), vocab_ids, meta.get("name") or d.name,
-                        meta.get("target"), dtype)
+    config = _config_from(meta["config"])
+    return FeatureDraft(config, _nest(flat, param_shapes(config, len(vocab_ids))), vocab_ids,
+                        meta.get("name") or d.name, meta.get("target"), dtype)
