@@ -46,20 +46,64 @@ def target_features(target, tokens_NT, batch: int = 8):
     return np.concatenate(feats), np.concatenate(tops)
 
 
-def cached_features(target, tokens_NT, work: pathlib.Path):
-    """target_features, saved once in work/features.npz (recomputed if the tokens changed)."""
-    path = work / "features.npz"
-    if path.exists():
+def cached_features(target, tokens_NT, work: pathlib.Path, chunk: int = 64):
+    """target_features as (float16 features, argmax), computed `chunk` sequences at a time and
+    saved per chunk under work/features/ (named by a hash of the chunk's tokens): a killed run
+    keeps the chunks it finished, and a data set that grows reuses the ones it has."""
+    import hashlib
+
+    out_dir = work / "features"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    feats, tops, made, t0 = [], [], 0, time.perf_counter()
+    n_chunks = -(-len(tokens_NT) // chunk)
+    for c, lo in enumerate(range(0, len(tokens_NT), chunk)):
+        part = np.ascontiguousarray(tokens_NT[lo: lo + chunk])
+        path = out_dir / f"{hashlib.sha1(part.tobytes() + str(part.shape).encode()).hexdigest()[:16]}.npz"
+        if not path.exists():
+            f, t = target_features(target, part)
+            tmp = path.with_suffix(".tmp.npz")
+            np.savez(tmp, features=f.astype(np.float16), argmax=t)
+            tmp.replace(path)
+            made += part.size
+            el = time.perf_counter() - t0
+            C.log(f"features: chunk {c + 1}/{n_chunks}, {made} positions in {el:.0f}s ({made / el:.0f}/s)")
         z = np.load(path)
-        if z["tokens"].shape == tokens_NT.shape and np.array_equal(z["tokens"], tokens_NT):
-            return z["features"], z["argmax"]
-    t0 = time.perf_counter()
-    feats, tops = target_features(target, tokens_NT)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, tokens=tokens_NT, features=feats, argmax=tops)
-    tmp.replace(path)
-    C.log(f"features: {tokens_NT.size} positions of the target in {time.perf_counter() - t0:.0f}s")
-    return feats, tops
+        feats.append(z["features"])
+        tops.append(z["argmax"])
+    return np.concatenate(feats), np.concatenate(tops)
+
+
+def readme_texts(min_chars: int = 500) -> list[tuple[str, str]]:
+    """(name, long description) of the installed distributions: prose and code at hand, in no
+    evaluation set."""
+    import importlib.metadata
+
+    seen, out = set(), []
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        name = dist.metadata["Name"]
+        body = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
+        if name and name.lower() not in seen and len(body) >= min_chars:
+            seen.add(name.lower())
+            out.append((name, body))
+    return out
+
+
+def text_windows(tokenizer, n: int, seq_len: int) -> list[np.ndarray]:
+    """Up to n sequences of at most seq_len + 1 tokens: a chat request about a package, then a
+    window of its description as the reply. Teacher-forced, the target gives features and its own
+    argmax at every position: training data without generating anything."""
+    out = []
+    for name, body in readme_texts():
+        prefix = tokenizer.chat_prompt_ids(f"Tell me about the Python package {name}: what it does and how to use it.")
+        toks = tokenizer.encode(body)
+        step = seq_len + 1 - len(prefix)
+        if step < 32:
+            raise ValueError(f"--seq_len {seq_len} leaves {step} tokens of text after a {len(prefix)}-token request")
+        for i in range(0, max(len(toks) - 32, 1), step):
+            out.append(np.asarray(list(prefix) + list(toks[i: i + step]), np.int32))
+            if len(out) >= n:
+                return out
+    return out
 
 
 def valid_mask(lengths_N, T: int) -> np.ndarray:
@@ -100,6 +144,7 @@ def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_dec
     def forward(train, frozen, tokens_BT, feats_BTD, key):
         """Predicted features and reduced logits at positions 0 .. T - 3."""
         B, T = tokens_BT.shape
+        feats_BTD = feats_BTD.astype(jnp.float32)  # stored as float16
         f_in = feats_BTD[:, : T - 2]
         rms_B11 = jnp.sqrt(jnp.mean(jnp.square(feats_BTD), axis=(1, 2), keepdims=True)) + 1e-6
         if key is not None and noise > 0:
@@ -115,7 +160,7 @@ def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_dec
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels_BT2, 0))
         m_ce = mask_BT2 * in_vocab
         ce = jnp.sum(ce * m_ce) / jnp.maximum(jnp.sum(m_ce), 1.0)
-        reg = jnp.mean(optax.huber_loss(f_hat / rms_B11, feats_BTD[:, 1:-1] / rms_B11), axis=-1)
+        reg = jnp.mean(optax.huber_loss(f_hat / rms_B11, feats_BTD[:, 1:-1].astype(jnp.float32) / rms_B11), axis=-1)
         reg = jnp.sum(reg * mask_BT2) / jnp.maximum(jnp.sum(mask_BT2), 1.0)
         return ce + reg_weight * reg, (ce, reg)
 

@@ -64,6 +64,8 @@ _DRAFT_VOCAB = flags.DEFINE_integer("draft_vocab", 8192, "Feature draft: columns
                                     "target's most frequent choices in the training data).")
 _FEAT_NOISE = flags.DEFINE_float("feature_noise", 0.1, "Feature draft: uniform noise on input features, "
                                  "relative to their RMS.")
+_TEXT = flags.DEFINE_integer("text_sequences", 0, "Feature draft: also train on up to this many windows of the "
+                             "installed packages' descriptions, as chat replies, teacher-forced (no generation).")
 _FEAT_INT8 = flags.DEFINE_boolean("feature_int8", True, "Feature draft: export its matrices as int8 block codes "
                                   "(feature_draft.quantize; a step reads a quarter of the float32 bytes).")
 _FEAT_WEIGHT = flags.DEFINE_float("feature_weight", 1.0, "Feature draft: weight of the feature regression loss.")
@@ -529,16 +531,24 @@ def main_feature(target, out_dir: pathlib.Path, work: pathlib.Path, t_start: flo
     summary = {"target": _TARGET.value, "arch": "feature", "argv": sys.argv, "machine": C.machine()}
     seqs, plens, data_seconds, messages = load_data(target, work)
     tokens, _ = pack(seqs, plens, _SEQ.value)  # [N, T]: the prompt cropped from the left
-    lengths = np.asarray([min(len(s), _SEQ.value + 1) for s in seqs])
+    lengths = [min(len(s), _SEQ.value + 1) for s in seqs]
+    n_val = min(_VAL.value, len(tokens) // 4)  # held out: greedy continuations only
+    texts = FD.text_windows(target.tokenizer, _TEXT.value, _SEQ.value) if _TEXT.value else []
+    if texts:
+        text_tokens = np.zeros((len(texts), _SEQ.value + 1), np.int32)
+        for i, w in enumerate(texts):
+            text_tokens[i, : len(w)] = w
+        tokens = np.concatenate([tokens, text_tokens])
+        lengths += [len(w) for w in texts]
+        C.log(f"data: {len(texts)} windows of package descriptions ({sum(map(len, texts))} tokens)")
     feats, tops = FD.cached_features(target, tokens, work)
-    mask = FD.valid_mask(lengths, tokens.shape[1])
-    n_val = min(_VAL.value, len(tokens) // 4)
+    mask = FD.valid_mask(np.asarray(lengths), tokens.shape[1])
     ids = FD.draft_vocab(tops[n_val:], mask[n_val:], target.config.eos_token_ids, _DRAFT_VOCAB.value)
     labels = FD.labels_in_vocab(tops, ids)
     C.log(f"data: {len(tokens) - n_val} training sequences ({int(mask[n_val:].sum())} positions), {n_val} held out; "
           f"draft vocabulary {len(ids)} covers {FD.coverage(tops[n_val:], mask[n_val:], ids):.3f} of the training "
           f"labels, {FD.coverage(tops[:n_val], mask[:n_val], ids):.3f} held out")
-    summary["data"] = {"prompts": len(messages), "train_sequences": len(tokens) - n_val,
+    summary["data"] = {"prompts": len(messages), "text_sequences": len(texts), "train_sequences": len(tokens) - n_val,
                        "train_positions": int(mask[n_val:].sum()), "val_sequences": n_val,
                        "val_positions": int(mask[:n_val].sum()), "seconds": data_seconds, "draft_vocab": len(ids),
                        "vocab_coverage_val": FD.coverage(tops[:n_val], mask[:n_val], ids)}
