@@ -83,7 +83,8 @@ def resolve_draft(spec: str | None, target_spec: str):
             raise app.UsageError(f"--draft {spec!r}: expected self:N with an integer N")
         return spec
     if spec.startswith("pld+"):
-        return ("pld", load_model(spec[4:]))
+        rest = spec[4:]
+        return ("pld", feature_draft.load(rest) if feature_draft.is_feature_draft(rest) else load_model(rest))
     if feature_draft.is_feature_draft(spec):  # a directory made by train_draft.py --arch=feature
         return feature_draft.load(spec)
     return load_model(spec)

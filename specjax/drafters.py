@@ -37,7 +37,7 @@ from specjax.models import feature_draft, llama
 from specjax.models.config import Config
 from specjax.models.model import Model
 
-SPECS = ("None", "a Model", "'pld'", "'self:N'", "('pld', Model)", "a FeatureDraft")
+SPECS = ("None", "a Model", "'pld'", "'self:N'", "('pld', Model)", "a FeatureDraft", "('pld', FeatureDraft)")
 
 
 def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temperature: float = 0.0):
@@ -61,6 +61,11 @@ def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temp
         # the target's embedding table is shared, not copied: the same buffer in both trees
         return drafter, {"net": draft.params, "vocab_ids": jnp.asarray(draft.vocab_ids, jnp.int32),
                          "embed": target.params["embed"]}
+    if isinstance(draft, tuple) and len(draft) == 2 and draft[0] == "pld" and isinstance(draft[1], feature_draft.FeatureDraft):
+        if temperature > 0:
+            raise ValueError("('pld', FeatureDraft) is a temperature-0 drafter")
+        model, params = from_spec(draft[1], target, k)
+        return LookupFirst(model, PromptLookup(k, match=pld_match)), params
     if isinstance(draft, tuple) and len(draft) == 2 and draft[0] == "pld" and isinstance(draft[1], Model):
         check_vocab(target, draft[1])
         if temperature > 0:
@@ -300,16 +305,26 @@ class FeatureDrafter:
     def observe(self, state: FeatureState, features_BRD, base_B) -> FeatureState:
         return state.replace(feat_BRD=features_BRD.astype(self.dtype), base_B=base_B)
 
-    def propose(self, params, state: FeatureState, seq_BS, lengths_B, key, temperature):
-        B, S = seq_BS.shape
-        R = self.k + 1
-        keys = jax.random.split(key, self.k)
-        pos_BR = state.base_B[:, None] + jnp.arange(R, dtype=jnp.int32)[None]
+    def refeed(self, params, state: FeatureState, seq_BS, lengths_B):
+        """Writes the positions the target last scored (true features) into the draft's cache;
+        returns the new state and the predicted feature of the pending position L: float[B, D]."""
+        S = seq_BS.shape[1]
+        pos_BR = state.base_B[:, None] + jnp.arange(self.k + 1, dtype=jnp.int32)[None]
         next_BR = jnp.take_along_axis(seq_BS, jnp.minimum(pos_BR + 1, S - 1), axis=1)
         f_BRD, cache = feature_draft.features(self.config, params["net"], self._embed(params, next_BR),
                                               state.feat_BRD, pos_BR, state.cache, self.dtype)
         at_B = lengths_B - 1 - state.base_B  # position L - 1 in this feed
-        f_BD = jnp.take_along_axis(f_BRD, at_B[:, None, None], axis=1)[:, 0]
+        return state.replace(cache=cache), jnp.take_along_axis(f_BRD, at_B[:, None, None], axis=1)[:, 0]
+
+    def propose(self, params, state: FeatureState, seq_BS, lengths_B, key, temperature):
+        state, f_BD = self.refeed(params, state, seq_BS, lengths_B)
+        return self.chain(params, state, f_BD, lengths_B, key, temperature)
+
+    def chain(self, params, state: FeatureState, f_BD, lengths_B, key, temperature):
+        """K drafts from the pending position's predicted feature, each step on the last one's."""
+        B = f_BD.shape[0]
+        cache = state.cache
+        keys = jax.random.split(key, self.k)
         d0_B, q0_BV = self._choose(params, keys[0], f_BD, temperature)
 
         def step(carry, xs):
@@ -327,3 +342,44 @@ class FeatureDrafter:
         if temperature > 0:
             probs_BKV = jnp.concatenate([q0_BV[:, None], jnp.moveaxis(q_KBV, 0, 1)], axis=1)
         return drafts_BK, jnp.full((B,), self.k, jnp.int32), probs_BKV, state.replace(cache=cache)
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupFirst:
+    """Prompt lookup where it finds a match, the feature draft elsewhere: `("pld", FeatureDraft)`.
+
+    FLy's multi-level check (`MultiLevel`: the draft model scores the lookup's proposal in one
+    forward) does not carry over: a feature draft's step j reads its prediction for step j - 1,
+    so checking K proposed tokens costs K sequential steps, as drafting does. Instead each row
+    takes the lookup's proposal when there is one and the feature draft's otherwise; the draft's
+    cache is refreshed every round (its next round must see this round's verified positions), and
+    its K chained steps are skipped when every row has a match. Temperature 0 only.
+    """
+
+    model: FeatureDrafter
+    lookup: PromptLookup
+    name: str = "pld|feature"
+    uses_features: ClassVar[bool] = True
+
+    @property
+    def k(self) -> int:
+        return self.model.k
+
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD):
+        return self.model.init(params, prompt_BT, prompt_len_B, max_len, features_BTD=features_BTD)
+
+    def observe(self, state, features_BRD, base_B):
+        return self.model.observe(state, features_BRD, base_B)
+
+    def propose(self, params, state, seq_BS, lengths_B, key, temperature):
+        p_BK, np_B, found_B = self.lookup.lookup(seq_BS, lengths_B)
+        state, f_BD = self.model.refeed(params, state, seq_BS, lengths_B)
+
+        def chain(state):
+            d_BK, _, _, state = self.model.chain(params, state, f_BD, lengths_B, key, 0.0)
+            return d_BK, state
+
+        d_BK, state = jax.lax.cond(jnp.all(found_B), lambda st: (jnp.zeros_like(p_BK), st), chain, state)
+        drafts_BK = jnp.where(found_B[:, None], p_BK, d_BK)
+        num_draft_B = jnp.where(found_B, np_B, self.k).astype(jnp.int32)
+        return drafts_BK, num_draft_B, None, state

@@ -48,7 +48,7 @@ def reference_drafts(target, draft, seq, L, K):
     return out
 
 
-@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("K", [pytest.param(1, marks=pytest.mark.heavy), 3])
 def test_drafter_state_matches_a_from_scratch_reference(target, K):
     """Random acceptance lengths and ragged rows: after every verification the drafter's cache
     and features give the drafts a cache-free recomputation gives."""
@@ -87,12 +87,32 @@ def test_drafter_state_matches_a_from_scratch_reference(target, K):
         cache = cache._replace(lengths=jnp.asarray(L))
 
 
-@pytest.mark.parametrize("K", [1, 4])
+@pytest.mark.parametrize("K", [pytest.param(1, marks=pytest.mark.heavy), 4])
 def test_exact_with_a_feature_draft_is_the_target(target, K):
     prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42], [100] * 20]
     base = specjax.Engine(target, None, max_new_tokens=24).generate(prompts)
     out = specjax.Engine(target, make_draft(target), method="exact", k=K, max_new_tokens=24).generate(prompts)
     assert out.tokens == base.tokens
+
+
+def test_lookup_first_takes_the_lookup_where_it_matches(target):
+    """("pld", FeatureDraft): exact verification still gives the target's output; a row with an
+    n-gram match drafts the lookup's continuation, one without drafts K feature-draft tokens."""
+    draft = make_draft(target)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [40, 41, 42], [100] * 20]
+    base = specjax.Engine(target, None, max_new_tokens=24).generate(prompts)
+    out = specjax.Engine(target, ("pld", draft), method="exact", k=3, max_new_tokens=24).generate(prompts)
+    assert out.tokens == base.tokens
+    drafter, dparams = drafters.from_spec(("pld", draft), target, 3)
+    assert isinstance(drafter, drafters.LookupFirst)
+    seq = jnp.asarray([[5, 6, 7, 8, 5, 6, 7, 0, 0, 0, 0, 0], [40, 41, 42, 43, 0, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)
+    lengths = jnp.asarray([6, 3], jnp.int32)  # row 0's pending "7" follows "5 6" seen before; row 1 has no match
+    _, feats, _ = llama.forward_features(target.config, target.params, seq[:, :7])
+    state = drafter.init(dparams, seq[:, :7], lengths, 16, features_BTD=feats)
+    d, n, _, _ = drafter.propose(dparams, state, seq, lengths, jax.random.PRNGKey(0), 0.0)
+    assert list(np.asarray(d[0])) == [8, 5, 6] and int(n[0]) == 3 and int(n[1]) == 3
+    with pytest.raises(ValueError, match="temperature-0"):
+        specjax.Engine(target, ("pld", draft), method="exact", temperature=0.5)
 
 
 def test_a_draft_that_predicts_the_target_is_accepted(target):
