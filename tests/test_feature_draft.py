@@ -206,6 +206,15 @@ def test_int8_draft_is_close_and_round_trips(target, tmp_path):
     assert specjax.Engine(target, back, method="exact", k=3, max_new_tokens=16).generate(prompts).tokens == base.tokens
 
 
+def test_memory_report_counts_the_shared_table_once(target):
+    from specjax.sharding import memory_report
+
+    draft = make_draft(target)
+    rep = memory_report(specjax.Engine(target, draft, method="exact", k=3), batch_size=1, max_len=64)
+    own = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(draft.params))
+    assert rep["draft_params"] == own + 4 * len(draft.vocab_ids)  # its layers and head, and vocab_ids
+
+
 def test_named_errors(target):
     wide = dataclasses.replace(make_draft(target), config=dataclasses.replace(FD.layer_config(target.config),
                                                                                hidden_size=128))

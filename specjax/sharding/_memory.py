@@ -53,7 +53,10 @@ def memory_report(engine, batch_size: int, max_len: int | None = None) -> dict[s
     if d_cfg is not None:
         caches["draft_cache"] = (d_cfg, model.dtype, "draft_cache")
     report = {}
-    for name, tree in (("target_params", engine.params.target), ("draft_params", engine.params.draft)):
+    draft = engine.params.draft
+    if isinstance(draft, dict) and "embed" in draft and "net" in draft:  # a feature draft: the target's table, shared
+        draft = {k: v for k, v in draft.items() if k != "embed"}
+    for name, tree in (("target_params", engine.params.target), ("draft_params", draft)):
         report[name] = max_bytes_per_device(tree) if jax.tree.leaves(tree) else 0
     for name, (cfg, dtype, kind) in caches.items():
         shapes = jax.eval_shape(lambda c=cfg, d=dtype: llama.init_cache(c, batch_size, S, d))
