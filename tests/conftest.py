@@ -8,7 +8,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tests never read programs that other processes (benchmarks, killed runs) left in ~/.cache/specjax/xla.
 os.environ.setdefault("SPECJAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="specjax-test-xla-"))
 
+import gc  # noqa: E402
+
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Frees each test module's compiled programs when it ends. XLA:CPU maps three memory regions
+    per compiled kernel and keeps them while the program lives in JAX's caches; a worker that runs
+    half the suite otherwise passes the kernel's limit of 65,530 mappings (vm.max_map_count) and
+    dies of a segmentation fault inside the next compilation."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
