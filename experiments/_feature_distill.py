@@ -21,8 +21,10 @@ import numpy as np
 
 try:
     from experiments import _common as C
+    from experiments import _train_loop as TL
 except ImportError:
     import _common as C
+    import _train_loop as TL
 
 
 def target_features(target, tokens_NT, batch: int = 8):
@@ -208,68 +210,24 @@ def train(cfg, train_params, frozen, data, val, work: pathlib.Path, *, make_opti
           weight_decay, clip, seed, log_every, eval_every, ckpt_every, k, stop_after=0, noise=0.1, reg_weight=1.0):
     """Runs (or resumes) training; data/val = (tokens, feats, labels, mask). Returns the trained
     params (None after --stop_after). Appends to work/metrics.jsonl."""
-    import json
-
-    import jax
-    import orbax.checkpoint as ocp
-
     optimizer, train_step, predict = make_fns(cfg, make_optimizer, steps, lr, warmup, weight_decay, clip, noise,
-                                                     reg_weight)
-    opt_state = optimizer.init(train_params)
-    mngr = ocp.CheckpointManager((work / "ckpt").resolve(),
-                                 options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    step0 = 0
-    if mngr.latest_step() is not None:
-        step0 = mngr.latest_step()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"train": train_params, "opt": opt_state})
-        restored = mngr.restore(step0, args=ocp.args.StandardRestore(abstract))
-        train_params, opt_state = restored["train"], restored["opt"]
-        C.log(f"resumed from the checkpoint of step {step0}")
-
-    def record(row):
-        with open(work / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def evaluate(step):
-        vt, vf, vl, vm = val
-        preds = np.concatenate([np.asarray(predict(train_params, frozen, vt[i: i + batch], vf[i: i + batch]))
-                                for i in range(0, len(vt), batch)])
-        acc = agreement(preds, vl, vm, k)
-        C.log(f"step {step}: held-out first-step agreement {acc['agree']:.3f}, tau@{k} bound {acc[f'tau_at_{k}']:.2f}")
-        record({"step": step, "eval": acc})
-
-    if step0 == 0:
-        evaluate(0)
+                                              reg_weight)
     tokens, feats, labels, mask = data
-    n = len(tokens)
-    window_tokens, window_start, losses = 0.0, time.perf_counter(), []
-    for step in range(step0, steps):
-        rows = np.random.default_rng([seed, step]).choice(n, size=batch, replace=n < batch)  # same after a resume
-        key = jax.random.PRNGKey(seed * 1_000_003 + step)
-        train_params, opt_state, loss, ce, reg = train_step(train_params, frozen, opt_state, tokens[rows], feats[rows],
-                                                            labels[rows], mask[rows], key)
-        losses.append((float(loss), float(ce), float(reg)))
-        window_tokens += float(mask[rows].sum())
-        done = step + 1
-        if done % log_every == 0 or done == steps:
-            el = time.perf_counter() - window_start
-            mean = np.mean(losses, axis=0)
-            C.log(f"step {done}/{steps}: loss {mean[0]:.3f} (ce {mean[1]:.3f}, feature {mean[2]:.3f}), "
-                  f"{window_tokens / el:.0f} tokens/s")
-            record({"step": done, "loss": float(mean[0]), "ce": float(mean[1]), "feature": float(mean[2]),
-                    "tokens_per_s": window_tokens / el, "tokens_seen": done * batch * float(mask.sum(1).mean())})
-            window_tokens, window_start, losses = 0.0, time.perf_counter(), []
-        if done % ckpt_every == 0 or done == steps:
-            mngr.save(done, args=ocp.args.StandardSave({"train": train_params, "opt": opt_state}))
-            mngr.wait_until_finished()
-        if done % eval_every == 0 or done == steps:
-            evaluate(done)
-        if stop_after and done - step0 >= stop_after:
-            mngr.wait_until_finished()
-            C.log(f"stopping after {stop_after} steps (--stop_after)")
-            return None
-    mngr.wait_until_finished()
-    return train_params
+
+    def step_fn(params, opt_state, rows, key):
+        params, opt_state, loss, ce, reg = train_step(params, frozen, opt_state, tokens[rows], feats[rows],
+                                                      labels[rows], mask[rows], key)
+        return params, opt_state, {"loss": loss, "ce": ce, "feature": reg}, mask[rows].sum()
+
+    def evaluate(params):
+        vt, vf, vl, vm = val
+        preds = np.concatenate([np.asarray(predict(params, frozen, vt[i: i + batch], vf[i: i + batch]))
+                                for i in range(0, len(vt), batch)])
+        return agreement(preds, vl, vm, k)
+
+    return TL.run(train_params, optimizer, work, step_fn=step_fn, evaluate=evaluate, n=len(tokens),
+                  tokens_per_row=float(mask.sum(1).mean()), steps=steps, batch=batch, seed=seed,
+                  log_every=log_every, eval_every=eval_every, ckpt_every=ckpt_every, stop_after=stop_after)
 
 
 def step_cost(target, draft, rounds: int, context: int = 256) -> dict:

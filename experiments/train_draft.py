@@ -45,9 +45,11 @@ from absl import app, flags
 try:  # imported as experiments.train_draft (tests) or run as a script
     from experiments import _common as C
     from experiments import _feature_distill as FD
+    from experiments import _train_loop as TL
 except ImportError:
     import _common as C
     import _feature_distill as FD
+    import _train_loop as TL
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct", "Target: preset, .gguf, HF directory or random:tiny.")
 _OUT = flags.DEFINE_string("out", None, "Output directory of the trained draft (HF layout).", required=True)
@@ -343,63 +345,22 @@ def acceptance(pred_BT, tokens_BT1, mask_BT, k: int) -> dict:
 def train(cfg, train_params, frozen, tokens, mask, val_tokens, val_mask, work: pathlib.Path, *, steps, batch,
           lr, warmup, weight_decay, clip, seed, log_every, eval_every, ckpt_every, k, stop_after=0):
     """Runs (or resumes) training; returns the final trainable params. Appends to work/metrics.jsonl."""
-    import jax
-    import orbax.checkpoint as ocp
-
     optimizer, schedule = make_optimizer(steps, lr, warmup, weight_decay, clip)
     train_step, predict = make_fns(cfg, steps, lr, warmup, weight_decay, clip)
-    opt_state = optimizer.init(train_params)
-    mngr = ocp.CheckpointManager((work / "ckpt").resolve(),
-                                 options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    step0 = 0
-    if mngr.latest_step() is not None:
-        step0 = mngr.latest_step()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"train": train_params, "opt": opt_state})
-        restored = mngr.restore(step0, args=ocp.args.StandardRestore(abstract))
-        train_params, opt_state = restored["train"], restored["opt"]
-        C.log(f"resumed from the checkpoint of step {step0}")
-    metrics_path = work / "metrics.jsonl"
 
-    def record(row):
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    def step_fn(params, opt_state, rows, key):
+        params, opt_state, loss = train_step(params, frozen, opt_state, tokens[rows], mask[rows])
+        return params, opt_state, {"loss": loss}, mask[rows].sum()
 
-    def evaluate(step):
-        preds = np.concatenate([np.asarray(predict(train_params, frozen, val_tokens[i: i + batch]))
+    def evaluate(params):
+        preds = np.concatenate([np.asarray(predict(params, frozen, val_tokens[i: i + batch]))
                                 for i in range(0, len(val_tokens), batch)])
-        acc = acceptance(preds, val_tokens, val_mask, k)
-        C.log(f"step {step}: held-out agreement {acc['agree']:.3f}, tau@{k} {acc[f'tau_at_{k}']:.2f}")
-        record({"step": step, "eval": acc})
+        return acceptance(preds, val_tokens, val_mask, k)
 
-    if step0 == 0:
-        evaluate(0)
-    n = len(tokens)
-    window_tokens, window_start, losses = 0.0, time.perf_counter(), []
-    for step in range(step0, steps):
-        rows = np.random.default_rng([seed, step]).choice(n, size=batch, replace=n < batch)  # same after a resume
-        train_params, opt_state, loss = train_step(train_params, frozen, opt_state, tokens[rows], mask[rows])
-        losses.append(float(loss))
-        window_tokens += float(mask[rows].sum())
-        done = step + 1
-        if done % log_every == 0 or done == steps:
-            el = time.perf_counter() - window_start
-            mean = float(np.mean(losses))
-            C.log(f"step {done}/{steps}: loss {mean:.3f}, lr {float(schedule(step)):.2e}, "
-                  f"{window_tokens / el:.0f} tokens/s")
-            record({"step": done, "loss": mean, "tokens_per_s": window_tokens / el,
-                    "tokens_seen": done * batch * float(mask.sum(1).mean())})
-            window_tokens, window_start, losses = 0.0, time.perf_counter(), []
-        if done % ckpt_every == 0 or done == steps:
-            mngr.save(done, args=ocp.args.StandardSave({"train": train_params, "opt": opt_state}))
-            mngr.wait_until_finished()
-        if done % eval_every == 0 or done == steps:
-            evaluate(done)
-        if stop_after and done - step0 >= stop_after:
-            mngr.wait_until_finished()
-            C.log(f"stopping after {stop_after} steps (--stop_after)")
-            return None
-    mngr.wait_until_finished()
-    return train_params
+    return TL.run(train_params, optimizer, work, step_fn=step_fn, evaluate=evaluate, n=len(tokens),
+                  tokens_per_row=float(mask.sum(1).mean()), steps=steps, batch=batch, seed=seed,
+                  log_every=log_every, eval_every=eval_every, ckpt_every=ckpt_every, stop_after=stop_after,
+                  schedule=schedule)
 
 
 def plot_curve(work: pathlib.Path, path: pathlib.Path, k: int) -> None:
