@@ -56,13 +56,17 @@ def cached_features(target, tokens_NT, work: pathlib.Path, chunk: int = 64):
 
     out_dir = work / "features"
     out_dir.mkdir(parents=True, exist_ok=True)
+    # a chunk's features belong to one target: its name, shape and compute dtype key the file too
+    owner = f"{target.name}|{target.config}|{target.dtype}".encode()
     feats, tops, made, t0 = [], [], 0, time.perf_counter()
     n_chunks = -(-len(tokens_NT) // chunk)
     for c, lo in enumerate(range(0, len(tokens_NT), chunk)):
         part = np.ascontiguousarray(tokens_NT[lo: lo + chunk])
-        path = out_dir / f"{hashlib.sha1(part.tobytes() + str(part.shape).encode()).hexdigest()[:16]}.npz"
+        path = out_dir / f"{hashlib.sha1(part.tobytes() + str(part.shape).encode() + owner).hexdigest()[:16]}.npz"
         if not path.exists():
             f, t = target_features(target, part)
+            if not np.isfinite(f.astype(np.float16)).all():  # float16 keeps +-65504
+                raise ValueError(f"features of chunk {c + 1} do not fit in float16; cannot cache them")
             tmp = path.with_suffix(".tmp.npz")
             np.savez(tmp, features=f.astype(np.float16), argmax=t)
             tmp.replace(path)
@@ -120,10 +124,11 @@ def draft_vocab(tops_NT, mask_NT2, eos_ids, n: int) -> np.ndarray:
     as sorted int32 ids."""
     labels = tops_NT[:, 1:-1][mask_NT2 > 0]
     ids, counts = np.unique(labels, return_counts=True)
-    keep = list(ids[np.argsort(-counts, kind="stable")][:n])
-    for e in eos_ids:
-        if e not in keep:
-            keep = keep[: n - 1] + [e] if len(keep) >= n else keep + [e]
+    if len(set(eos_ids)) > n:
+        raise ValueError(f"a draft vocabulary of {n} tokens cannot hold the {len(set(eos_ids))} EOS ids")
+    top = [int(t) for t in ids[np.argsort(-counts, kind="stable")]]
+    missing = sorted(set(eos_ids) - set(top[:n]))  # every EOS stays proposable, however rare
+    keep = [t for t in top if t not in missing][: n - len(missing)] + missing
     return np.sort(np.asarray(keep, np.int32))
 
 
@@ -143,12 +148,15 @@ def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_dec
 
     optimizer, _ = make_optimizer(steps, lr, warmup, weight_decay, clip)
 
-    def forward(train, frozen, tokens_BT, feats_BTD, key):
+    def forward(train, frozen, tokens_BT, feats_BTD, key, mask_BT2=None):
         """Predicted features and reduced logits at positions 0 .. T - 3."""
         B, T = tokens_BT.shape
         feats_BTD = feats_BTD.astype(jnp.float32)  # stored as float16
         f_in = feats_BTD[:, : T - 2]
-        rms_B11 = jnp.sqrt(jnp.mean(jnp.square(feats_BTD), axis=(1, 2), keepdims=True)) + 1e-6
+        # the sequence's feature scale over its real positions (padding's features are not its own)
+        m_BT = jnp.ones((B, T - 2), jnp.float32) if mask_BT2 is None else mask_BT2.astype(jnp.float32)
+        ms_BT = jnp.mean(jnp.square(f_in), axis=-1)
+        rms_B11 = jnp.sqrt(jnp.sum(ms_BT * m_BT, axis=1) / jnp.maximum(jnp.sum(m_BT, axis=1), 1.0))[:, None, None] + 1e-6
         if key is not None and noise > 0:
             f_in = f_in + noise * rms_B11 * jax.random.uniform(key, f_in.shape, minval=-1.0, maxval=1.0)
         emb = llama.embed_tokens(frozen["embed"], tokens_BT[:, 1: T - 1])
@@ -157,7 +165,7 @@ def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_dec
         return f_hat, FD.logits(cfg, train, f_hat), rms_B11
 
     def loss_fn(train, frozen, tokens_BT, feats_BTD, labels_BT2, mask_BT2, key):
-        f_hat, logits, rms_B11 = forward(train, frozen, tokens_BT, feats_BTD, key)
+        f_hat, logits, rms_B11 = forward(train, frozen, tokens_BT, feats_BTD, key, mask_BT2)
         in_vocab = labels_BT2 >= 0
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels_BT2, 0))
         m_ce = mask_BT2 * in_vocab

@@ -77,6 +77,8 @@ def run(params, optimizer, work: pathlib.Path, *, step_fn: Callable, evaluate: C
         if done % eval_every == 0 or done == steps:
             evaluate_at(done)
         if stop_after and done - step0 >= stop_after:
+            if done % ckpt_every:  # keep every finished step
+                mngr.save(done, args=ocp.args.StandardSave({"train": params, "opt": opt_state}))
             mngr.wait_until_finished()
             C.log(f"stopping after {stop_after} steps (--stop_after)")
             return None

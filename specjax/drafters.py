@@ -44,7 +44,9 @@ def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temp
     """(drafter, draft params) for the Engine's `draft` argument; (None, ()) for target-only decoding.
 
     draft: None, "pld" (prompt lookup), "self:N" (the target's first N layers), a Model
-    sharing the target's vocabulary, or ("pld", Model) (FLy's multi-level drafting, T = 0).
+    sharing the target's vocabulary, ("pld", Model) (FLy's multi-level drafting, T = 0), a
+    models.FeatureDraft (reads the target's last-layer features), or ("pld", FeatureDraft)
+    (the lookup's continuation where it matches, the feature draft's elsewhere; T = 0).
     """
     if draft is None:
         return None, ()

@@ -70,7 +70,7 @@ class Engine:
     sharing the target's vocabulary, "pld" (prompt lookup), "self:N" (the
     target's first N layers), ("pld", Model) (FLy's multi-level drafting), or a
     `models.FeatureDraft` (one layer over the target's hidden states, trained by
-    experiments/train_feature_draft.py); see `drafters.from_spec`.
+    experiments/train_draft.py --arch=feature); see `drafters.from_spec`.
     method: a rule object (`verify.Fly(theta=0.2)`, ...) or a method name (greedy/exact,
     fly, asd, csd, typical, sampling) with its options as keyword arguments
     (`method="fly", theta=0.2`); at temperature > 0, greedy/exact verify by lossless
@@ -107,7 +107,8 @@ class Engine:
         _checks.engine_args(temperature=temperature, top_p=top_p, seed=seed, eos_ids=eos_ids)  # NaN, "12", 1.5
         compile_cache.enable()  # a second process with the same shapes loads its programs
         mesh_config = None if mesh is None else sharding.MeshConfig.of(mesh)  # validated before compiling
-        if mesh_config is not None and isinstance(draft, feature_draft.FeatureDraft):
+        feature = draft[1] if isinstance(draft, tuple) and len(draft) == 2 else draft
+        if mesh_config is not None and isinstance(feature, feature_draft.FeatureDraft):
             raise ValueError("a FeatureDraft runs on one device only (its state has no sharding plan yet); "
                              "pass mesh=None, or a draft Model / 'pld' on a mesh")
         if mesh_config is not None:  # attention="pad": zero heads appended so that they divide the model axis

@@ -48,12 +48,14 @@ def reference_drafts(target, draft, seq, L, K):
     return out
 
 
-@pytest.mark.parametrize("K", [pytest.param(1, marks=pytest.mark.heavy), 3])
-def test_drafter_state_matches_a_from_scratch_reference(target, K):
+@pytest.mark.parametrize("K, lookup_first", [pytest.param(1, False, marks=pytest.mark.heavy), (3, False), (3, True)])
+def test_drafter_state_matches_a_from_scratch_reference(target, K, lookup_first):
     """Random acceptance lengths and ragged rows: after every verification the drafter's cache
-    and features give the drafts a cache-free recomputation gives."""
+    and features give the drafts a cache-free recomputation gives. With ("pld", draft), rows whose
+    lookup matches take its proposal, and the others must still see a correct cache, also after
+    a round in which every row matched and the draft's chain did not run."""
     draft = make_draft(target)
-    drafter, dparams = drafters.from_spec(draft, target, K)
+    drafter, dparams = drafters.from_spec(("pld", draft) if lookup_first else draft, target, K)
     tc = target.config
     prompts = [[5, 9, 14, 3, 7, 22, 8], [40, 41, 42]]
     B, T, S = 2, 7, 64
@@ -70,21 +72,32 @@ def test_drafter_state_matches_a_from_scratch_reference(target, K):
     L = np.asarray(plen_B)
     seq[np.arange(B), L] = rng.integers(0, tc.vocab_size, B)  # the first emitted (pending) token
     cache = cache._replace(lengths=jnp.asarray(L))
-    for _ in range(6):
+    all_found, checked_after_skip = False, 0
+    for _ in range(10 if lookup_first else 6):
         drafts, num, probs, state = drafter.propose(dparams, state, jnp.asarray(seq), jnp.asarray(L),
                                                     jax.random.PRNGKey(0), 0.0)
-        assert probs is None and np.all(np.asarray(num) == K)
+        found = np.asarray(drafter.lookup.lookup(jnp.asarray(seq), jnp.asarray(L))[2]) if lookup_first else [False] * B
+        assert probs is None
         for b in range(B):
+            if found[b]:
+                continue
+            assert int(num[b]) == K
             assert list(np.asarray(drafts[b])) == reference_drafts(target, draft, seq[b], int(L[b]), K), b
+            checked_after_skip += all_found
+        all_found = all_found or bool(np.all(found))
         fed = jnp.concatenate([jnp.asarray(seq[np.arange(B), L])[:, None], drafts], axis=1)
         _, feats, cache = llama.forward_features(tc, target.params, fed, cache)
         state = drafter.observe(state, feats, jnp.asarray(L))
-        n = rng.integers(0, K + 1, B)  # accepted drafts per row, then a correction token
+        n = np.minimum(rng.integers(0, K + 1, B), np.asarray(num))  # accepted drafts, then a correction
         for b in range(B):
             seq[b, L[b] + 1: L[b] + 1 + n[b]] = np.asarray(drafts[b, : n[b]])
-            seq[b, L[b] + 1 + n[b]] = rng.integers(0, tc.vocab_size)
+            # lookup_first: half the corrections repeat a recent token, so that lookups match
+            repeat = lookup_first and rng.random() < 0.5
+            seq[b, L[b] + 1 + n[b]] = seq[b, L[b] + n[b] - 1] if repeat else rng.integers(0, tc.vocab_size)
         L = L + n + 1
         cache = cache._replace(lengths=jnp.asarray(L))
+    if lookup_first:
+        assert checked_after_skip > 0, "no row was checked after a round whose chain was skipped"
 
 
 @pytest.mark.parametrize("K", [pytest.param(1, marks=pytest.mark.heavy), 4])
@@ -111,6 +124,7 @@ def test_lookup_first_takes_the_lookup_where_it_matches(target):
     state = drafter.init(dparams, seq[:, :7], lengths, 16, features_BTD=feats)
     d, n, _, _ = drafter.propose(dparams, state, seq, lengths, jax.random.PRNGKey(0), 0.0)
     assert list(np.asarray(d[0])) == [8, 5, 6] and int(n[0]) == 3 and int(n[1]) == 3
+    assert list(np.asarray(d[1])) == reference_drafts(target, draft, np.asarray(seq[1]), 3, 3)  # the draft's own
     with pytest.raises(ValueError, match="temperature-0"):
         specjax.Engine(target, ("pld", draft), method="exact", temperature=0.5)
 
@@ -226,3 +240,11 @@ def test_named_errors(target):
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     with pytest.raises(ValueError, match="FeatureDraft runs on one device"):
         specjax.Engine(target, make_draft(target), method="exact", mesh=mesh)
+    with pytest.raises(ValueError, match="FeatureDraft runs on one device"):
+        specjax.Engine(target, ("pld", make_draft(target)), method="exact", mesh=mesh)
+    with pytest.raises(ValueError, match="vocab_ids repeat a token"):
+        specjax.Engine(target, make_draft(target, ids=np.asarray([3, 3, 5], np.int32)), method="exact")
+    draft = make_draft(target)
+    narrow = dataclasses.replace(draft, vocab_ids=draft.vocab_ids[:-1])
+    with pytest.raises(ValueError, match="the head scores"):
+        specjax.Engine(target, narrow, method="exact")

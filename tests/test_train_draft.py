@@ -182,3 +182,16 @@ def test_feature_draft_loss_falls_resumes_and_runs_in_an_engine(target, data, tm
     prompts = [list(map(int, s[:p])) for s, p in zip(data[0][:3], data[1][:3])]
     ref = specjax.Engine(target, draft=None, max_new_tokens=16).generate(prompts).tokens
     assert specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=16).generate(prompts).tokens == ref
+
+
+def test_feature_draft_vocabulary_keeps_every_eos():
+    from experiments import _feature_distill as FDist
+
+    tops = np.asarray([[0, 1, 1, 1, 2, 2, 3, 0]], np.int32)  # labels (positions 1..6): 1 1 1 2 2 3
+    mask = np.ones((1, 6), np.float32)
+    assert FDist.draft_vocab(tops, mask, (), 3).tolist() == [1, 2, 3]
+    # the most frequent tokens make way for every EOS id, however rare (here: never chosen)
+    assert FDist.draft_vocab(tops, mask, (7, 8), 3).tolist() == [1, 7, 8]
+    assert FDist.draft_vocab(tops, mask, (2, 9), 3).tolist() == [1, 2, 9]
+    with pytest.raises(ValueError, match="cannot hold the 3 EOS ids"):
+        FDist.draft_vocab(tops, mask, (7, 8, 9), 2)

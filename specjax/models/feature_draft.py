@@ -145,6 +145,13 @@ def check_target(target_config: Config, draft: FeatureDraft) -> None:
     ids = np.asarray(draft.vocab_ids)
     if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= want.vocab_size:
         raise ValueError(f"feature draft {draft.name!r}: vocab_ids must be ids in [0, {want.vocab_size})")
+    if len(np.unique(ids)) != ids.size:  # a repeated id would lose probability mass at T > 0
+        raise ValueError(f"feature draft {draft.name!r}: vocab_ids repeat a token")
+    head = draft.params.get("head")
+    width = (head.shape[-1] if hasattr(head, "shape") else head.codes.shape[-1] if hasattr(head, "codes")
+             else None)
+    if width is not None and width != ids.size:
+        raise ValueError(f"feature draft {draft.name!r}: the head scores {width} tokens, vocab_ids lists {ids.size}")
 
 
 # -- files ------------------------------------------------------------------------------------
