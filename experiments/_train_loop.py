@@ -71,15 +71,13 @@ def run(params, optimizer, work: pathlib.Path, *, step_fn: Callable, evaluate: C
             record({"step": done, **mean, "tokens_per_s": window_tokens / el,
                     "tokens_seen": done * batch * tokens_per_row})
             window_tokens, window_start, losses = 0.0, time.perf_counter(), []
-        if done % ckpt_every == 0 or done == steps:
+        stopping = bool(stop_after) and done - step0 >= stop_after
+        if done % ckpt_every == 0 or done == steps or stopping:  # a stopped run keeps its last step
             mngr.save(done, args=ocp.args.StandardSave({"train": params, "opt": opt_state}))
             mngr.wait_until_finished()
         if done % eval_every == 0 or done == steps:
             evaluate_at(done)
-        if stop_after and done - step0 >= stop_after:
-            if done % ckpt_every:  # keep every finished step
-                mngr.save(done, args=ocp.args.StandardSave({"train": params, "opt": opt_state}))
-            mngr.wait_until_finished()
+        if stopping:
             C.log(f"stopping after {stop_after} steps (--stop_after)")
             return None
     mngr.wait_until_finished()
