@@ -50,7 +50,7 @@ _UBATCH = flags.DEFINE_integer("llamacpp_ubatch", 0, "llama-bench's -ub (physica
 _THREADS = flags.DEFINE_integer("llamacpp_threads", os.cpu_count() or 1, "llama.cpp's -t.")
 _LAYERS = flags.DEFINE_multi_enum("layers", ["stacked"], ["stacked", "unrolled"], "specjax rows per layer "
                                   "layout (Engine(layers=...)); repeat the flag for several, interleaved.")
-_MATMUL = flags.DEFINE_multi_enum("matmul", ["auto"], ["auto", "native", "xla"], "specjax rows per matmul "
+_MATMUL = flags.DEFINE_multi_enum("matmul", ["auto"], ["auto", "native", "q8", "xla"], "specjax rows per matmul "
                                   "path (Engine(matmul=...)); repeat the flag for several, interleaved.")
 _COMPARE_HEAD = flags.DEFINE_boolean("compare_head", False, "Also run specjax with the embedding / LM head "
                                      "expanded to float32 (same values), interleaved.")

@@ -66,8 +66,9 @@ _BUCKET = flags.DEFINE_integer("prompt_bucket", 64, "Prompts are padded to a mul
                                "the timings.")
 _LAYERS = flags.DEFINE_enum("layers", "stacked", ["stacked", "unrolled"], "Layer layout of every specjax "
                             "engine (Engine(layers=...); unrolled: one device, longer compiles).")
-_MATMUL = flags.DEFINE_enum("matmul", "auto", ["auto", "native", "xla"], "Matmul path of every specjax engine "
-                            "(Engine(matmul=...); auto: the native CPU kernel on one CPU device).")
+_MATMUL = flags.DEFINE_list("matmul", ["auto"], "Matmul paths of the specjax engines (Engine(matmul=...): auto, "
+                            "native, q8, xla; auto: the native CPU kernel on one CPU device). Several: every "
+                            "engine for each, interleaved in one run; the first is the target-only baseline's.")
 _MESH = flags.DEFINE_string("mesh", "", "DATA,MODEL: run every engine on a jax.make_mesh((DATA, MODEL), "
                             "('data', 'model')) mesh (batch 1: DATA must be 1); empty: one device. The "
                             "per-device bytes of parameters and caches are printed either way.")
@@ -112,6 +113,11 @@ def main(argv):
     for name in (_K, _NEW, _NUM, _BUCKET):
         if name.value <= 0:
             raise app.UsageError(f"--{name.name} must be positive")
+    bad = sorted(set(_MATMUL.value) - {"auto", "native", "q8", "xla"}) or (
+        ["(repeated)"] if len(set(_MATMUL.value)) < len(_MATMUL.value) else []) or ([] if _MATMUL.value else ["(none)"])
+    if bad:
+        raise app.UsageError(f"--matmul: {', '.join(bad)}; give one or more of auto, native, q8, xla")
+    matmuls = _MATMUL.value
     unknown = sorted(set(_METHODS.value) - {"exact", "greedy", "fly", "fly-published", "asd", "csd", "typical",
                                             "sampling"})
     if unknown:
@@ -134,8 +140,12 @@ def main(argv):
         _log(f"llama.cpp peer: {', '.join(llama_peer)}; prompt depths {[len(ids) for _, ids in prompts]}")
     eos = None if _EOS.value else ()
     baseline = specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=eos, mesh=mesh, layers=_LAYERS.value,
-                              matmul=_MATMUL.value, prompt_bucket=_BUCKET.value)
-    configs = {}
+                              matmul=matmuls[0], prompt_bucket=_BUCKET.value)
+    configs = {}  # (drafter, method, matmul) -> engine; drafter "none": target-only with another matmul
+    for matmul in matmuls[1:]:
+        configs[("none", "target-only", matmul)] = specjax.Engine(
+            target, max_new_tokens=_NEW.value, eos_ids=eos, mesh=mesh, layers=_LAYERS.value, matmul=matmul,
+            prompt_bucket=_BUCKET.value)
     for spec in _DRAFTS.value:
         draft, label = C.resolve_draft(spec, _MODEL.value), spec
         for method in _METHODS.value:
@@ -143,10 +153,11 @@ def main(argv):
             rule, opts = method, options.get(method, {})
             if method == "fly-published":
                 rule, opts = "fly", {**options["fly"], **PUBLISHED_FLY}
-            configs[(label, method)] = specjax.Engine(
-                target, draft=draft, method=rule, k=_K.value, max_new_tokens=_NEW.value, temperature=T,
-                seed=_SEED.value, eos_ids=eos, mesh=mesh, prompt_bucket=_BUCKET.value, layers=_LAYERS.value,
-                matmul=_MATMUL.value, **opts)
+            for matmul in matmuls:
+                configs[(label, method, matmul)] = specjax.Engine(
+                    target, draft=draft, method=rule, k=_K.value, max_new_tokens=_NEW.value, temperature=T,
+                    seed=_SEED.value, eos_ids=eos, mesh=mesh, prompt_bucket=_BUCKET.value, layers=_LAYERS.value,
+                    matmul=matmul, **opts)
 
     peer = _make_peer(target, _DRAFTS.value) if "transformers" in _PEER.value else {}
     _log(f"compiling {1 + len(configs)} programs over {len(prompts)} prompts ...")
@@ -187,13 +198,13 @@ def main(argv):
         _log(f"prompt {i + 1}/{len(prompts)} done ({time.perf_counter() - started:.0f}s elapsed)")
 
     rows = [dict(engine="specjax", drafter="none", method="target-only", tokens_per_s=base.tps, speedup=1.0,
-                 tau=1.0, accepted_per_round=0.0, loose_share=0.0, divergence=0.0)]
-    for (label, method), tally in tallies.items():
+                 tau=1.0, accepted_per_round=0.0, loose_share=0.0, divergence=0.0, matmul=matmuls[0])]
+    for (label, method, matmul), tally in tallies.items():
         merged = metrics.merge(tally.stats)
         rows.append(dict(engine="specjax", drafter=label, method=method + (f"@T={_TYPICAL_T.value}" if method == "typical" else ""),
                          tokens_per_s=tally.tps, speedup=tally.tps / base.tps, tau=merged["tau"],
                          accepted_per_round=merged["accepted_per_round"], loose_share=merged["loose_share"],
-                         divergence=tally.diverged / len(tally.stats)))
+                         divergence=tally.diverged / len(tally.stats), matmul=matmul))
     for name, tally in peer_tallies.items():
         rows.append(dict(engine="transformers", drafter=name.split(":")[0], method=name.split(":")[1],
                          tokens_per_s=tally.tps, speedup=tally.tps / base.tps, tau=float("nan"),
@@ -216,18 +227,23 @@ def main(argv):
     print(f"baseline drift (second/first run of each prompt): median {statistics.median(drift):.3f}, "
           f"range {min(drift):.3f}-{max(drift):.3f}; wall time {time.perf_counter() - started:.0f}s\n")
     print_memory(baseline, configs, max(len(ids) for _, ids in prompts) + _NEW.value + _K.value + 1)
-    print("| engine | drafter | method | tokens/s | speedup vs specjax target-only | tau | accepted/round "
+    if len(matmuls) > 1:
+        print(f"divergence: against the target-only baseline ({matmuls[0]} matmul); q8 rows compute with int8 "
+              "activations, so they may part from it where the others would not\n")
+    print("| engine | matmul | drafter | method | tokens/s | speedup vs specjax target-only | tau | accepted/round "
           "| loose share | divergence |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['engine']} | {r['drafter']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} "
-              f"| {r['tau']:.2f} | {r['accepted_per_round']:.2f} | {r['loose_share']:.2f} | {r['divergence']:.2f} |")
+        print(f"| {r['engine']} | {r.get('matmul', '')} | {r['drafter']} | {r['method']} | {r['tokens_per_s']:.1f} "
+              f"| {r['speedup']:.2f} | {r['tau']:.2f} | {r['accepted_per_round']:.2f} | {r['loose_share']:.2f} "
+              f"| {r['divergence']:.2f} |")
     for r in rows:
         if "llama_acceptance" in r and r["llama_acceptance"] == r["llama_acceptance"]:  # not NaN
             print(f"llama.cpp {r['method']}: {r['llama_acceptance']:.1%} of drafted tokens accepted")
     if _CSV.value:
         with C.atomic_open(_CSV.value, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]) + ["llama_acceptance"], restval="")
+            # (llama.cpp and transformers rows have no matmul: left empty)
             writer.writeheader()
             writer.writerows(rows)
         print(f"\nwrote {_CSV.value}")
@@ -294,8 +310,8 @@ def print_memory(baseline, configs, max_len: int):
     from specjax import sharding
 
     engines = {"none": baseline}
-    for (label, _), engine in configs.items():
-        engines.setdefault(label, engine)
+    for (label, _, matmul), engine in configs.items():
+        engines.setdefault(label if matmul == baseline.matmul else f"{label} ({matmul} matmul)", engine)
     print(f"memory per device (MB), batch 1, cache length {max_len}"
           f"{'; mesh ' + _MESH.value if _MESH.value else '; one device'}:")
     print("| drafter | target params | draft params | target cache | draft cache | total |")

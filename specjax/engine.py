@@ -45,20 +45,24 @@ class GenerateOutput:
     rule_state: Any = ()
 
 
-def _pack(params, dtype):
+def _pack(params, dtype, q8: bool = False):
     """Block codes in the native kernel's order (`quant.PackedQuant`): the stacked layers' codes
     (4-bit ones two per byte), and a tile-major copy of the LM head's codes as `head_tiles` (the
-    embedding lookup keeps the table as it is). Float32 models only: the kernel computes in
-    float32; bfloat16 activations go to XLA's dot."""
+    embedding lookup keeps the table as it is). With `q8`, `quant.Q8Tiles` for the kernel's
+    int8-activation path instead, where a weight's shape allows. Float32 models only: the kernel
+    computes in float32; bfloat16 activations go to XLA's dot."""
     if not isinstance(params, dict) or "layers" not in params or jnp.dtype(dtype) != jnp.float32:
         return params
-    layers = jax.tree.map(lambda w: quant.pack_for_native(w) if isinstance(w, quant.BlockQuant) else w,
+    exact = lambda w: quant.pack_for_native(w)  # noqa: E731
+    pack = (lambda w: q if isinstance(q := quant.pack_for_q8(w), quant.Q8Tiles) else exact(w)) if q8 else exact
+    layers = jax.tree.map(lambda w: pack(w) if isinstance(w, quant.BlockQuant) else w,
                           params["layers"], is_leaf=lambda w: isinstance(w, quant.BlockQuant))
     out = {**params, "layers": layers}
     head = params.get("lm_head", params.get("embed"))
     if isinstance(head, quant.BlockQuant) and head.codes.ndim == 3:
-        tiles = quant.tile_codes(head)
-        if isinstance(tiles, quant.PackedQuant):
+        tiles = quant.pack_for_q8(head) if q8 else head
+        tiles = tiles if isinstance(tiles, quant.Q8Tiles) else quant.tile_codes(head)
+        if isinstance(tiles, (quant.PackedQuant, quant.Q8Tiles)):
             out["head_tiles"] = tiles
     return out
 
@@ -83,9 +87,13 @@ class Engine:
     Compiled programs are kept on disk (`specjax.compile_cache`).
     matmul: "auto" (decode-sized matmuls on an unsharded CPU program run in specjax.native's
     kernel, which reads block codes inside the dot; elsewhere XLA's dot), "native" (required:
-    an error where it cannot run) or "xla" (always XLA's dot). The kernel's logits agree with
-    XLA's to float32 rounding, and are the same bit for bit from block codes or from their
-    float32 dequantization.
+    an error where it cannot run), "q8" (the kernel's int8-activation path for block-quantized
+    weights, at every size: each row of activations quantized to int8 per block of 32, as
+    llama.cpp does, and integer dot products; faster, above all for a verify pass's K + 1 rows,
+    but its logits are llama.cpp-like, not the float32 model's) or "xla" (always XLA's dot).
+    The "native" kernel's logits agree with XLA's to float32 rounding, and are the same bit for
+    bit from block codes or from their float32 dequantization. Under every setting a row's
+    logits do not depend on the other rows, so exact speculation gives target-only's tokens.
     layers: "stacked" (a scan over layers: compile time independent of depth, block-quantized
     weights kept as codes; with the native kernel, in its tile-major order, 4-bit codes two per
     byte, read in place) or "unrolled" (one device only: a loop of layers, each with its own
@@ -131,16 +139,19 @@ class Engine:
         if layers == "unrolled" and mesh is not None:
             raise ValueError("layers='unrolled' runs on one device; on a mesh the stacked layers are sharded "
                              "(pass mesh=None or layers='stacked')")
-        if matmul not in ("auto", "native", "xla"):
-            raise ValueError(f"matmul must be 'auto', 'native' or 'xla', got {matmul!r}")
-        if matmul == "native":
+        if matmul not in ("auto", "native", "q8", "xla"):
+            raise ValueError(f"matmul must be 'auto', 'native', 'q8' or 'xla', got {matmul!r}")
+        if matmul in ("native", "q8"):
             if mesh is not None:
-                raise ValueError("matmul='native' runs on one device (a custom call has no sharding rule): "
+                raise ValueError(f"matmul={matmul!r} runs on one device (a custom call has no sharding rule): "
                                  "pass mesh=None or matmul='auto'")
             if jax.default_backend() != "cpu" or not native.available():
-                raise ValueError(f"matmul='native' needs the CPU kernel (backend {jax.default_backend()!r}, "
+                raise ValueError(f"matmul={matmul!r} needs the CPU kernel (backend {jax.default_backend()!r}, "
                                  f"built: {native.available()}; see specjax.native)")
-        uses_native = matmul == "native" or (matmul == "auto" and mesh is None and quant.default_native())
+            if matmul == "q8" and jnp.dtype(target.dtype) != jnp.float32:
+                raise ValueError(f"matmul='q8' runs float32 models (the kernel's activations are float32 before "
+                                 f"it quantizes them); the target is {jnp.dtype(target.dtype).name}")
+        uses_native = matmul in ("native", "q8") or (matmul == "auto" and mesh is None and quant.default_native())
         self.layers, self.matmul = layers, matmul
         self.target, self.k = target, int(k)
         self.prompt_bucket = None if prompt_bucket is None else int(prompt_bucket)
@@ -163,8 +174,9 @@ class Engine:
         draft_dtype = getattr(getattr(self.drafter, "model", self.drafter), "dtype", target.dtype)
         if uses_native:
             # 4-bit layer codes two per byte, tile by tile: the native kernel streams half the bytes
-            self.params = loop.Params(target=_pack(self.params.target, target.dtype),
-                                      draft=_pack(self.params.draft, draft_dtype))
+            q8 = matmul == "q8"
+            self.params = loop.Params(target=_pack(self.params.target, target.dtype, q8),
+                                      draft=_pack(self.params.draft, draft_dtype, q8))
         if layers == "unrolled":  # the draft model too (prompt lookup has no params)
             unroll = lambda p, dtype: llama.unstack_layers(p, dtype) if isinstance(p, dict) and "layers" in p else p  # noqa: E731
             self.params = loop.Params(target=unroll(self.params.target, target.dtype),

@@ -87,7 +87,7 @@ class Program:
     drafter: Any = None
     rule: Any = None
     layout: Any = None
-    matmul: str = "auto"  # "auto" | "native" | "xla": see native_matmul
+    matmul: str = "auto"  # "auto" | "native" | "q8" | "xla": see native_matmul
 
     @property
     def k(self) -> int:
@@ -126,7 +126,7 @@ class Program:
         """Decode-sized matmuls in specjax.native's CPU kernel: on an unsharded CPU program
         ("auto"; the Engine checked "native" against the platform and mesh), never ("xla")."""
         if self.matmul != "auto":
-            return self.matmul == "native"
+            return self.matmul in ("native", "q8")
         return self.layout is None and quant.default_native()  # a custom call has no sharding rule
 
     # -- the pieces of the loop -------------------------------------------------

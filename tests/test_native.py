@@ -344,8 +344,188 @@ def test_a_packed_stack_is_read_in_place(small_q8):
 
 
 def test_matmul_setting_is_checked(small_q8):
-    with pytest.raises(ValueError, match="matmul must be 'auto', 'native' or 'xla'"):
+    with pytest.raises(ValueError, match="matmul must be 'auto', 'native', 'q8' or 'xla'"):
         specjax.Engine(small_q8, matmul="fast")
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     with pytest.raises(ValueError, match="matmul='native' runs on one device"):
         specjax.Engine(small_q8, matmul="native", mesh=mesh)
+
+
+# --- the int8-activation path (Engine(matmul="q8")): llama.cpp's numerics ---
+
+
+def q8_reference(x, q):
+    """float64 of what the q8 kernel computes: each row's blocks of min(bs, 32) activations
+    quantized as the kernel does (float32 scale amax / 127, round half to even), exact integer
+    dot products with the codes, then scale and offset."""
+    w = q.unpacked()
+    codes = np.asarray(w.codes, np.int64)
+    nb, bs, N = codes.shape
+    K = nb * bs
+    codes = codes.reshape(K, N)
+    scale = np.asarray(w.scale, np.float64)[:, 0]
+    offset = None if w.offset is None else np.asarray(w.offset, np.float64)[:, 0]
+    xb = min(bs, 32)
+    y = np.zeros((x.shape[0], N))
+    for m in range(x.shape[0]):
+        for k0 in range(0, K, xb):
+            xr = np.asarray(x[m, k0:k0 + xb], np.float32)
+            dx = np.float32(np.abs(xr).max()) / np.float32(127)
+            inv = np.float32(1) / dx if dx > 0 else np.float32(0)
+            xq = np.clip(np.rint(xr * inv), -127, 127).astype(np.int64)
+            b = k0 // bs
+            v = scale[b] * (xq @ codes[k0:k0 + xb]) + (0 if offset is None else offset[b] * xq.sum())
+            y[m] += np.float64(dx) * v
+    return y
+
+
+def q8_weight(rng, K, N, bs, kind, offset):
+    lo, hi = {"u4": (0, 16), "s4": (-8, 8), "i8": (-128, 128), "q6": (-32, 32)}[kind]
+    codes = rng.integers(lo, hi, (K // bs, bs, N)).astype(np.int8)
+    scale = (rng.random((K // bs, 1, N)) * 0.02).astype(np.float16).astype(np.float32)
+    off = (rng.standard_normal((K // bs, 1, N)) * 0.01).astype(np.float32) if offset else None
+    return quant.BlockQuant(jnp.asarray(codes), jnp.asarray(scale), None if off is None else jnp.asarray(off), (K, N))
+
+
+@pytest.mark.parametrize("kind, bits, zero", [("u4", 4, 0), ("s4", 4, 8), ("i8", 8, 128), ("q6", 8, 128)])
+@pytest.mark.parametrize("lead", [(), (3,)])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_q8_tiles_hold_the_codes(kind, bits, zero, lead, bs):
+    rng = np.random.default_rng(bs + bits + len(lead))
+    w = q8_weight(rng, 64, 48, bs, kind, offset=True)
+    if lead:
+        w = quant.stack_layers([w, q8_weight(rng, 64, 48, bs, kind, True), q8_weight(rng, 64, 48, bs, kind, True)])
+    q = quant.pack_for_q8(w)
+    assert isinstance(q, quant.Q8Tiles) and (q.bits, q.zero) == (bits, zero)
+    assert q.data.dtype == jnp.uint8 and q.data.shape == (*lead, 3, 64 // (8 if bits == 4 else 4), 64)
+    np.testing.assert_array_equal(np.asarray(q.unpacked().codes), np.asarray(w.codes))
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(w.dequantize()))
+    # the documented byte order, checked on tile 1, group 2 directly against the codes
+    c = np.asarray(w.codes, np.int32).reshape(*lead, 64, 48)[(0,) * len(lead)] + zero  # [K, N]
+    byte = np.asarray(q.data)[(0,) * len(lead)][1, 2].reshape(16, 4)  # [n, i]
+    if bits == 4:
+        np.testing.assert_array_equal(byte & 15, c[16:20, 16:32].T)
+        np.testing.assert_array_equal(byte >> 4, c[20:24, 16:32].T)
+    else:
+        np.testing.assert_array_equal(byte, c[8:12, 16:32].T)
+
+
+@pytest.mark.parametrize("shape, why", [((64, 40), "columns"), ((36, 32), "block")])
+def test_weights_the_q8_kernel_cannot_take_stay_as_they_are(shape, why):
+    rng = np.random.default_rng(1)
+    K, N = shape
+    bs = 12 if why == "block" else 32
+    w = q8_weight(rng, K, N, bs, "u4", True)
+    assert quant.pack_for_q8(w) is w
+
+
+# awkward sizes: 1 row, a verify pass (9), more than one pass of rows (13, 25, 72), K not a multiple
+# of the 64-row chunk, one tile of columns, block sizes 16 (K-quants) and 32, 4- and 8-bit codes
+@pytest.mark.parametrize("M", [1, 3, 9, 13, 25, 72])
+@pytest.mark.parametrize("K, N, bs, kind, offset", [(32, 16, 32, "u4", True), (96, 80, 16, "q6", True),
+                                                    (160, 64, 32, "s4", False), (576, 96, 32, "i8", False),
+                                                    (64, 32, 16, "u4", False)])
+def test_q8_kernel_matches_its_float64_reference(M, K, N, bs, kind, offset):
+    rng = np.random.default_rng(M * 100 + K + N)
+    q = quant.pack_for_q8(q8_weight(rng, K, N, bs, kind, offset))
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[0, : min(K, 40)] *= 30  # blocks of very different scales in one row
+    y = np.asarray(jax.jit(native.dot)(jnp.asarray(x), q))
+    want = q8_reference(x, q)
+    assert y.shape == (M, N) and y.dtype == np.float32
+    # the integer sums are exact; only the float32 scaling of each block's sums rounds
+    tol = 4 * (K // min(bs, 32)) * np.finfo(np.float32).eps * (np.abs(x).max(1, keepdims=True) * 0.02 * 128 * 32)
+    assert np.all(np.abs(y - want) <= tol)
+    # and it is close to the float32 model: int8 activations cost about 0.5% of a product's size
+    f = x.astype(np.float64) @ np.asarray(q.dequantize(), np.float64)
+    assert np.abs(y - f).max() <= 0.03 * np.abs(f).max()
+
+
+def test_q8_rows_do_not_depend_on_the_others():
+    """Bit for bit, whatever rows share the call and however they are split into passes, so a
+    verify pass and a decode step compute a position alike (exact speculation = target-only)."""
+    rng = np.random.default_rng(2)
+    q = quant.pack_for_q8(q8_weight(rng, 192, 64, 32, "u4", True))
+    x = jnp.asarray(rng.standard_normal((23, 192)).astype(np.float32))
+    full = np.asarray(native.dot(x, q))
+    for i in (0, 9, 22):
+        np.testing.assert_array_equal(np.asarray(native.dot(x[i:i + 1], q))[0], full[i])
+    np.testing.assert_array_equal(np.asarray(native.dot(x[5:14], q)), full[5:14])
+
+
+def test_q8_zeros_and_non_finite_rows():
+    rng = np.random.default_rng(3)
+    q = quant.pack_for_q8(q8_weight(rng, 64, 32, 32, "i8", False))
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    x[1] = 0
+    x[2, 5], x[3, 40] = np.inf, np.nan
+    y = np.asarray(native.dot(jnp.asarray(x), q))
+    assert np.all(y[1] == 0)
+    assert not np.any(np.isfinite(y[2])) and not np.any(np.isfinite(y[3]))  # as a float dot would give
+    np.testing.assert_array_equal(y[0], np.asarray(native.dot(jnp.asarray(x[:1]), q))[0])
+
+
+def test_q8_stack_is_read_in_place_by_layer():
+    rng = np.random.default_rng(4)
+    ws = [q8_weight(rng, 96, 32, 32, "u4", True) for _ in range(3)]
+    stack = quant.pack_for_q8(quant.stack_layers(ws))
+    x = jnp.asarray(rng.standard_normal((9, 96)).astype(np.float32))
+    f = jax.jit(lambda x, s, i: native.dot(x, s, i))
+    for i, w in enumerate(ws):
+        np.testing.assert_array_equal(np.asarray(f(x, stack, jnp.int32(i))), np.asarray(native.dot(x, quant.pack_for_q8(w))))
+
+
+@pytest.fixture(scope="module")
+def small_q4():
+    """SMALL with Q4_1 MLP matrices, Q8_0 attention output and head (SmolLM2's GGUF mix)."""
+    base = random_model(SMALL, seed=5)
+    model = _q8_layers(base)
+    layers = dict(model.params["layers"])
+    for name in ("w_gate", "w_up", "w_down"):
+        layers[name] = quant.stack_layers([_quantize(w, "Q4_1") for w in np.asarray(base.params["layers"][name])])
+    head = "lm_head" if "lm_head" in base.params else "embed"
+    return model.with_params({**model.params, "layers": layers, head: _quantize(base.params[head], "Q8_0")})
+
+
+def test_the_q8_engine_packs_for_the_int8_path_and_stays_close_to_float(small_q4):
+    from specjax.engine import _pack
+    from specjax.models import llama
+
+    engine = specjax.Engine(small_q4, matmul="q8", max_new_tokens=4, eos_ids=())
+    layers = engine.params.target["layers"]
+    assert isinstance(layers["w_up"], quant.Q8Tiles) and layers["w_up"].bits == 4  # Q4_1
+    assert isinstance(layers["wq"], quant.Q8Tiles) and layers["wq"].bits == 8  # Q8_0
+    assert isinstance(engine.params.target["head_tiles"], quant.Q8Tiles)
+    cache = llama.init_cache(SMALL, 2, 32)
+    tokens = jnp.asarray([[5, 6, 7], [1, 2, 3]], jnp.int32)
+    step = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c)[0])
+    with quant.native_matmul(True):
+        q8 = np.asarray(step(engine.params.target, tokens, cache))
+        hlo = step.lower(engine.params.target, tokens, cache).as_text()
+        exact = np.asarray(step(_pack(small_q4.params, jnp.float32), tokens, cache))
+    assert "specjax_q8dot" in hlo
+    assert np.abs(q8 - exact).max() <= 0.05 * np.abs(exact).max()
+    # a prefill-sized forward goes through the same kernel (no float path with other numerics)
+    long = jnp.asarray(np.arange(quant.NATIVE_MAX_ROWS + 2)[None] % SMALL.vocab_size)
+    with quant.native_matmul(True):
+        text = jax.jit(lambda p, t: llama.forward(SMALL, p, t)).lower(engine.params.target, long).as_text()
+    assert "specjax_q8dot" in text
+
+
+@pytest.mark.parametrize("draft, method", [("pld", "exact"), ("model", "exact"), ("pld", "fly")])
+def test_q8_exact_speculation_gives_q8_target_only_tokens(small_q4, draft, method):
+    draft = random_model(dataclasses.replace(SMALL, num_layers=1), seed=3) if draft == "model" else draft
+    settings = dict(k=3, max_new_tokens=10, eos_ids=(), matmul="q8")
+    base = specjax.Engine(small_q4, **settings).generate(PROMPTS)
+    spec = specjax.Engine(small_q4, draft=draft, method=method, **settings).generate(PROMPTS)
+    if method == "exact":
+        assert spec.tokens == base.tokens
+    assert all(len(t) == 10 for t in spec.tokens)
+
+
+def test_q8_setting_is_checked(small_q4):
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match="matmul='q8' runs on one device"):
+        specjax.Engine(small_q4, matmul="q8", mesh=mesh)
+    with pytest.raises(ValueError, match="matmul='q8' runs float32 models"):
+        specjax.Engine(random_model(SMALL, seed=1, dtype=jnp.bfloat16), matmul="q8")

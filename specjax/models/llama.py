@@ -7,7 +7,7 @@ does not grow with depth and the KV cache is one array per K and V (a tree of
 `unstack_layers` runs them in a Python loop instead, one float array per layer:
 faster on XLA:CPU, see there):
 
-    cache_k_NBSGDh, cache_v_NBSGDh, lengths_B
+    cache_k_NBGSDh, cache_v_NBGSDh, lengths_B
 
 Attention masks keys by position only (key j is visible to a query at
 position p iff j <= p), so rejected draft tokens never need erasing: the next
@@ -42,13 +42,15 @@ def _weight(module: nn.Module, name: str, shape):
 class KVCache(NamedTuple):
     """Preallocated per-layer keys and values and the committed length of each row."""
 
-    k: jax.Array  # [N, B, S, G, Dh]: N layers
-    v: jax.Array  # [N, B, S, G, Dh]
+    # [N, B, G, S, Dh]: N layers; a layer's slice is in the order attention's dots read it
+    # (heads, then positions), so no step copies a transposed cache
+    k: jax.Array
+    v: jax.Array  # [N, B, G, S, Dh]
     lengths: jax.Array  # int32[B]: positions >= lengths[b] are not (yet) valid for row b
 
 
 def init_cache(config: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
@@ -117,21 +119,22 @@ class Block(nn.Module):
         k_BTGDh = apply_rope(k_BTGDh, positions_BT, inv_freq)
 
         if cache_k is None:  # full forward: attend over this call's tokens only
-            keys_BSGDh, values_BSGDh = k_BTGDh, v_BTGDh
+            keys_BGSDh, values_BGSDh = k_BTGDh.transpose(0, 2, 1, 3), v_BTGDh.transpose(0, 2, 1, 3)
         else:  # write at each row's own offset, in place in the carried cache
+            # (indices [B, 1] and [B, T] around the heads' slice: the update is [B, T, G, Dh])
             rows_B1 = jnp.arange(B)[:, None]
-            cache_k = cache_k.at[layer, rows_B1, write_pos_BT].set(k_BTGDh.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[layer, rows_B1, write_pos_BT].set(v_BTGDh.astype(cache_v.dtype), mode="drop")
-            keys_BSGDh, values_BSGDh = cache_k[layer], cache_v[layer]
-        S = keys_BSGDh.shape[1]
+            cache_k = cache_k.at[layer, rows_B1, :, write_pos_BT].set(k_BTGDh.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[layer, rows_B1, :, write_pos_BT].set(v_BTGDh.astype(cache_v.dtype), mode="drop")
+            keys_BGSDh, values_BGSDh = cache_k[layer], cache_v[layer]
+        S = keys_BGSDh.shape[2]
 
         q_BTGQDh = q_BTHDh.reshape(B, T, G, H // G, Dh)
-        scores = jnp.einsum("btgqk,bsgk->bgqts", q_BTGQDh, keys_BSGDh.astype(self.dtype),
+        scores = jnp.einsum("btgqk,bgsk->bgqts", q_BTGQDh, keys_BGSDh.astype(self.dtype),
                             preferred_element_type=jnp.float32) * (Dh ** -0.5)
         visible_BTS = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
         scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        attn_BTHDh = jnp.einsum("bgqts,bsgk->btgqk", probs, values_BSGDh.astype(self.dtype)).reshape(B, T, H, Dh)
+        attn_BTHDh = jnp.einsum("bgqts,bgsk->btgqk", probs, values_BGSDh.astype(self.dtype)).reshape(B, T, H, Dh)
         x_BTD = x_BTD + mm("bthk,hkd->btd", attn_BTHDh, "wo", (H, Dh, D), 2)
 
         h_BTD = RMSNorm(c.rms_norm_eps, name="mlp_norm")(x_BTD, at)
@@ -156,12 +159,12 @@ class Transformer(nn.Module):
     unrolled: bool = False  # layers as `layer_0` .. `layer_{N-1}` (unstack_layers), a loop instead of a scan
 
     def _packed_stack(self) -> bool:
-        """Stacked layers holding PackedQuant weights (made by the Engine for the native kernel)."""
+        """Stacked layers holding PackedQuant or Q8Tiles weights (made by the Engine for the native kernel)."""
         if self.is_initializing() or not quant.native_enabled():
             return False
         stack = self.variables.get("params", {}).get("layers", {})
-        return any(isinstance(w, quant.PackedQuant)
-                   for w in jax.tree.leaves(stack, is_leaf=lambda w: isinstance(w, quant.PackedQuant)))
+        packed = (quant.PackedQuant, quant.Q8Tiles)
+        return any(isinstance(w, packed) for w in jax.tree.leaves(stack, is_leaf=lambda w: isinstance(w, packed)))
 
     @nn.compact
     def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None, select_BJ=None, features=False):
@@ -287,13 +290,13 @@ def unstack_layers(params, dtype=jnp.float32):
             if isinstance(x, quant.BlockQuant):
                 return quant.BlockQuant(x.codes[i], x.scale[i], None if x.offset is None else x.offset[i],
                                         x.shape).dequantize(dtype)
-            if isinstance(x, quant.PackedQuant):  # made for the native kernel, which reads it in place
+            if isinstance(x, (quant.PackedQuant, quant.Q8Tiles)):  # made for the native kernel, read in place
                 return jax.tree.map(lambda a: jnp.array(a[i]), x)
             return jnp.asarray(x[i])  # float weights keep the dtype they are stored in
         return jax.tree.map(one, params["layers"], is_leaf=quant.is_quantized)
 
     n = jax.tree.leaves(params["layers"], is_leaf=quant.is_quantized)[0]
-    n = (n.codes if isinstance(n, quant.BlockQuant) else n.data if isinstance(n, quant.PackedQuant) else n).shape[0]
+    n = (n.codes if isinstance(n, quant.BlockQuant) else n.data if quant.is_quantized(n) else n).shape[0]
     out = {k: v for k, v in params.items() if k != "layers"}
     out.update({f"layer_{i}": jax.block_until_ready(layer(i)) for i in range(n)})
     return out

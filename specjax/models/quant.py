@@ -158,8 +158,89 @@ def pack_for_native(w: BlockQuant):
     return packed if isinstance(packed, PackedQuant) else tile_codes(w)
 
 
+# Columns per tile of a Q8Tiles weight (blockdot.cc, kQCols): one vector of int32 lanes.
+Q8_COLUMNS = 16
+
+
+@struct.dataclass
+class Q8Tiles:
+    """A BlockQuant's codes for the native kernel's int8-activation path (Engine(matmul="q8")):
+    tiles of 16 columns, each a contiguous stream of 64-byte groups in which lane n holds four
+    consecutive rows of column n, so that a group meets four int8 activations in one VNNI
+    dot product. Codes are stored unsigned, `zero` added (0 for 0..15, 8 for -8..7, 128 for int8).
+
+    data: uint8[..., out/16, in/8, 64] (bits 4: byte 4n + i of group g = u(8g + i, n) |
+          u(8g + 4 + i, n) << 4) or uint8[..., out/16, in/4, 64] (bits 8: byte 4n + i = u(4g + i, n)).
+    scale / offset: float32[..., out/16, in/bs, 16].
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    offset: jax.Array | None
+    shape: tuple[int, ...] = struct.field(pytree_node=False)
+    bits: int = struct.field(pytree_node=False, default=4)
+    zero: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def dtype(self):
+        return jnp.float32
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.data, self.scale, self.offset)
+
+    def unpacked(self) -> BlockQuant:
+        """The same weight as a BlockQuant (one int8 code per weight, row-major)."""
+        b = self.data.astype(jnp.int32)  # [..., T, G, 64]
+        *lead, T, G, _ = b.shape
+        b = b.reshape(*lead, T, G, Q8_COLUMNS, 4)  # [..., T, G, n, i]
+        if self.bits == 4:  # rows 8g + i (low nibbles), then 8g + 4 + i (high)
+            b = jnp.stack([b & 15, b >> 4], axis=-3)  # [..., T, G, 2, n, i]
+            b = jnp.swapaxes(b, -1, -2)  # [..., T, G, 2, i, n]
+        else:
+            b = jnp.swapaxes(b, -1, -2)  # [..., T, G, i, n]
+        codes = (b - self.zero).reshape(*lead, T, -1, Q8_COLUMNS)  # [..., T, K, 16]
+        nb = self.scale.shape[-2]
+        K = codes.shape[-2]
+        rows = lambda a, r: jnp.moveaxis(a.reshape(*lead, T, nb, r, Q8_COLUMNS), -4, -2).reshape(  # noqa: E731
+            *lead, nb, r, T * Q8_COLUMNS)
+        side = lambda a: None if a is None else rows(a, 1)  # noqa: E731
+        return BlockQuant(rows(codes, K // nb).astype(jnp.int8), side(self.scale), side(self.offset), self.shape)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.unpacked().dequantize(dtype)
+
+
+def pack_for_q8(w: BlockQuant):
+    """`w` as Q8Tiles for the int8-activation kernel: 4-bit codes two per byte where every code
+    fits in 4 bits, else one byte each; `w` unchanged where its shape does not fit the kernel
+    (columns not in tiles of 16, a block size not a multiple of 8 (4 for 8-bit codes) that
+    neither divides 32 nor is a multiple of it). On the host."""
+    codes = np.asarray(w.codes)  # [..., nb, bs, N]
+    *lead, nb, bs, N = codes.shape
+    if N % Q8_COLUMNS or codes.size == 0 or bs % 4 or (bs % 32 and 32 % bs):
+        return w
+    lo, hi = int(codes.min()), int(codes.max())
+    bits, zero = (4, 0) if 0 <= lo and hi <= 15 else (4, 8) if -8 <= lo and hi <= 7 else (8, 128)
+    if bits == 4 and bs % 8:
+        bits, zero = 8, 128
+    u = (codes.astype(np.int32) + zero).astype(np.uint8).reshape(*lead, nb * bs, N // Q8_COLUMNS, Q8_COLUMNS)
+    T, K = N // Q8_COLUMNS, nb * bs
+    if bits == 4:
+        u = u.reshape(*lead, K // 8, 2, 4, T, Q8_COLUMNS)  # [..., g, h, i, t, n]: row 8g + 4h + i
+        u = u[..., 0, :, :, :] | (u[..., 1, :, :, :] << 4)  # [..., g, i, t, n]
+    else:
+        u = u.reshape(*lead, K // 4, 4, T, Q8_COLUMNS)  # [..., g, i, t, n]: row 4g + i
+    n = len(lead)
+    data = np.ascontiguousarray(np.transpose(u, (*range(n), n + 2, n, n + 3, n + 1)))  # [..., t, g, n, i]
+    data = data.reshape(*lead, T, -1, 64)
+    side = lambda a: None if a is None else jnp.asarray(np.ascontiguousarray(np.moveaxis(  # noqa: E731
+        np.asarray(a).reshape(*lead, nb, T, Q8_COLUMNS), -2, -3)))
+    return Q8Tiles(jnp.asarray(data), side(w.scale), side(w.offset), w.shape, bits, zero)
+
+
 def is_quantized(w) -> bool:
-    return isinstance(w, (BlockQuant, PackedQuant))
+    return isinstance(w, (BlockQuant, PackedQuant, Q8Tiles))
 
 
 def materialize(w, dtype=jnp.float32) -> jax.Array:
@@ -226,7 +307,10 @@ def native_enabled() -> bool:
 def _use_native(x, w, rows: int, stacked: bool = False) -> bool:
     from specjax import native
 
-    return native_enabled() and rows <= NATIVE_MAX_ROWS and native.supports(x, w, stacked)
+    # Q8Tiles at every size: the int8-activation numerics must not change with the number of
+    # rows (a prefill, a verify pass and a decode step compute a position alike)
+    small = rows <= NATIVE_MAX_ROWS or isinstance(w, Q8Tiles)
+    return native_enabled() and small and native.supports(x, w, stacked)
 
 
 def layer_of(w, layer):
@@ -243,7 +327,7 @@ def contract(spec: str, x: jax.Array, w, n_in: int, dtype=jnp.float32, layer=Non
     PackedQuant in place; everything else is XLA's dot of the materialized weight."""
     lead, inner = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in:]
     K, rows = math.prod(inner), math.prod(lead)
-    if layer is not None and not (isinstance(w, PackedQuant) and _use_native(x, w, rows, stacked=True)):
+    if layer is not None and not (isinstance(w, (PackedQuant, Q8Tiles)) and _use_native(x, w, rows, stacked=True)):
         w, layer = layer_of(w, layer), None  # the layer's slice (a copy, as a scan would make)
     out = tuple(w.shape[n_in:]) if is_quantized(w) else tuple(w.shape[(layer is not None) + n_in:])
     w2 = w if is_quantized(w) else w.reshape(K, math.prod(out))
@@ -294,7 +378,7 @@ def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int | None = N
         from specjax import native
 
         return native.dot(x_BTD.reshape(B * T, shape[0]), w).reshape(B, T, shape[1])
-    if isinstance(w, PackedQuant):
+    if isinstance(w, (PackedQuant, Q8Tiles)):
         w = w.unpacked()
     if chunk is None:
         chunk = _head_chunk[-1] if _head_chunk[-1] is not None else default_head_chunk()

@@ -87,6 +87,7 @@ def _load() -> bool:
         jax.ffi.register_ffi_target("specjax_blockdot", jax.ffi.pycapsule(lib.SpecjaxBlockDot), platform="cpu")
         jax.ffi.register_ffi_target("specjax_densedot", jax.ffi.pycapsule(lib.SpecjaxDenseDot), platform="cpu")
         jax.ffi.register_ffi_target("specjax_tiledot", jax.ffi.pycapsule(lib.SpecjaxTileDot), platform="cpu")
+        jax.ffi.register_ffi_target("specjax_q8dot", jax.ffi.pycapsule(lib.SpecjaxQ8Dot), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"specjax's native CPU matmul is unavailable, using XLA's dot instead: {e}", stacklevel=2)
         return False
@@ -102,10 +103,13 @@ def supports(x, w, stacked: bool = False) -> bool:
     """Whether dot(x, w) can run natively: float32 activations, a float32 [K, N] matrix, a
     BlockQuant with int8 codes, or a PackedQuant (`stacked`: one with a leading layer axis), N a
     multiple of the tile."""
-    from specjax.models.quant import BlockQuant, PackedQuant
+    from specjax.models.quant import Q8_COLUMNS, BlockQuant, PackedQuant, Q8Tiles
 
     if x.dtype != jnp.float32:
         return False
+    if isinstance(w, Q8Tiles):
+        return (w.data.ndim == 3 + stacked and w.data.dtype == jnp.uint8 and w.data.shape[-1] == 64
+                and w.scale.dtype == jnp.float32 and w.scale.shape[-1] == Q8_COLUMNS)
     if isinstance(w, PackedQuant):
         return (w.data.ndim == 3 + stacked and w.data.dtype == (jnp.uint8 if w.bits == 4 else jnp.int8)
                 and w.scale.dtype == jnp.float32 and w.data.shape[-1] == COLUMNS)
@@ -118,9 +122,11 @@ def supports(x, w, stacked: bool = False) -> bool:
 
 
 def dot(x_MK: jax.Array, w, layer=None) -> jax.Array:
-    """float32[M, N] = x @ w, with w a float32 [K, N] array, a BlockQuant (codes [K/bs, bs, N]) or
-    a PackedQuant (tile-major codes [N/32, K or K/2, 32]). With `layer` (an int32 scalar, traced
-    or not), w is a PackedQuant stack [L, ...] and layer `layer` is read where it lies.
+    """float32[M, N] = x @ w, with w a float32 [K, N] array, a BlockQuant (codes [K/bs, bs, N]),
+    a PackedQuant (tile-major codes [N/32, K or K/2, 32]) or a Q8Tiles (the int8-activation path:
+    each row of x quantized to int8 per block, llama.cpp's numerics, not float32's). With `layer`
+    (an int32 scalar, traced or not), w is a PackedQuant or Q8Tiles stack [L, ...] and layer
+    `layer` is read where it lies.
 
     Differentiable (a custom call is not): tangents go through XLA's dot of the same values, to
     x, and to a float w; a block-coded weight is a constant (a tangent of its scales is refused)."""
@@ -154,7 +160,7 @@ def _dot_jvp(primals, tangents):
 
 
 def _ffi_dot(x_MK, w, layer):
-    from specjax.models.quant import BlockQuant, PackedQuant
+    from specjax.models.quant import Q8_COLUMNS, BlockQuant, PackedQuant, Q8Tiles
 
     if not available():
         raise RuntimeError("the native kernel is not available (see specjax.native)")
@@ -164,6 +170,17 @@ def _ffi_dot(x_MK, w, layer):
                          f"{type(w).__name__} {getattr(w, 'shape', None)}")
     M, K = x_MK.shape
     out = lambda n: jax.ShapeDtypeStruct((M, n), jnp.float32)  # noqa: E731
+    if isinstance(w, Q8Tiles):
+        stack = (lambda a: a) if layer is not None else (lambda a: a[None])  # noqa: E731
+        data, scale = stack(w.data), stack(w.scale)
+        _, T, groups, _ = data.shape
+        if groups * (8 if w.bits == 4 else 4) != K:
+            raise ValueError(f"x has {K} columns, the weight {groups * (8 if w.bits == 4 else 4)} rows")
+        offset = stack(w.offset) if w.offset is not None else scale  # unread without an offset
+        index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+        return jax.ffi.ffi_call("specjax_q8dot", out(T * Q8_COLUMNS), vmap_method="sequential")(
+            x_MK, data, scale, offset, index, has_offset=w.offset is not None, bits=np.int32(w.bits),
+            zero=np.int32(w.zero))
     if isinstance(w, PackedQuant):
         stack = (lambda a: a) if layer is not None else (lambda a: a[None])  # noqa: E731
         data = stack(w.data)

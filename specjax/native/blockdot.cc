@@ -20,9 +20,11 @@
 // finds nothing to claim, so the call never waits on a busy pool.
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 
@@ -349,6 +351,263 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return Run(pool, x.typed_data(), y->typed_data(), w, Codes::kDense, xd[0], xd[1], wd[1]);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Int8 activations (Engine(matmul="q8")): llama.cpp's numerics, not float32's. Each row of x is
+// quantized per block of xb = min(bs, 32) columns to int8 (scale amax / 127, round to nearest
+// even), each weight block's codes (shifted by `zero` to be unsigned) meet them in exact
+// integer dot products (AVX512-VNNI: 64 multiply-adds per instruction, against 16 float ones),
+// and a block's integer sums are scaled in float32:
+//   y[m, n] += dx[m, b] * (scale[b, n] * (I[m, b, n] - zero * X[m, b]) + offset[b, n] * X[m, b])
+// with I = sum(u * xq) and X = sum(xq) over the block. A row's outputs depend on that row only.
+//
+// Weights (quant.Q8Tiles): tiles of 16 columns, each one contiguous stream of 64-byte groups;
+// bits 4: group g holds rows 8g .. 8g + 7 of the tile, byte 4n + i = u(8g + i, n) | u(8g + 4 + i,
+// n) << 4; bits 8: rows 4g .. 4g + 3, byte 4n + i = u(4g + i, n). So a group's low nibbles (or
+// its bytes) are, in lane n, four consecutive rows of column n: one VNNI operand.
+constexpr int64_t kQCols = 16;
+constexpr int kQRowsMax = 10;  // rows per pass: 2 x 10 accumulators + weights fit 32 registers
+
+struct QActs {
+  const int8_t* q;     // [M, K]
+  const float* d;      // [M, nxb]
+  const int32_t* sum;  // [M, nxb]
+  int64_t K, xb, nxb;
+};
+
+struct QWeights {
+  const uint8_t* data = nullptr;  // one layer: [N / 16, K / per, 64]
+  const float* scale = nullptr;   // [N / 16, K / bs, 16]
+  const float* offset = nullptr;  // or null
+  int64_t bs = 0, data_tile = 0, side_tile = 0;
+  int32_t zero = 0;
+};
+
+// One block of xb (16 or 32) activations: int8 codes, their scale and their sum.
+inline void QuantizeBlock(const float* xr, int64_t xb, int8_t* q, float* d, int32_t* sum) {
+#if defined(__AVX512F__)
+  if (xb == 16 || xb == 32) {
+    const __m512 v0 = _mm512_loadu_ps(xr), v1 = xb == 32 ? _mm512_loadu_ps(xr + 16) : _mm512_setzero_ps();
+    // _mm512_max_ps would drop a nan; a nan block must give a nan scale
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const bool finite = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_mul_ps(v0, _mm512_setzero_ps()),
+                                                           _mm512_mul_ps(v1, _mm512_setzero_ps()))) == 0.0f;
+    const float dx = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+    // round to nearest even (the default rounding mode), saturate to int8 (|x * inv| <= 127);
+    // a non-finite block's codes are 0 (inv = 0; the conversion turns nan into INT_MIN)
+    const __m512 f0 = finite ? _mm512_mul_ps(v0, _mm512_set1_ps(inv)) : _mm512_setzero_ps();
+    const __m512 f1 = finite ? _mm512_mul_ps(v1, _mm512_set1_ps(inv)) : _mm512_setzero_ps();
+    const __m512i q0 = _mm512_cvtps_epi32(f0), q1 = _mm512_cvtps_epi32(f1);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+    if (xb == 32) _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    *d = dx;
+    return;
+  }
+#endif
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t j = 0; j < xb; ++j) {
+    amax = std::max(amax, std::fabs(xr[j]));
+    finite = finite && std::isfinite(xr[j]);
+  }
+  // a non-finite block gets a nan scale, so the row's outputs are not finite
+  const float dx = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  const float inv = dx > 0.0f ? 1.0f / dx : 0.0f;
+  int32_t s = 0;
+  for (int64_t j = 0; j < xb; ++j) {
+    const int32_t c = finite ? std::clamp<int32_t>(static_cast<int32_t>(std::nearbyint(xr[j] * inv)), -127, 127) : 0;
+    q[j] = static_cast<int8_t>(c);
+    s += c;
+  }
+  *sum = s;
+  *d = dx;
+}
+
+void QuantizeRows(const float* x, int64_t M, int64_t K, int64_t xb, int8_t* q, float* d, int32_t* sum) {
+  const int64_t nxb = K / xb;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nxb; ++b)
+      QuantizeBlock(x + m * K + b * xb, xb, q + m * K + b * xb, d + m * nxb + b, sum + m * nxb + b);
+}
+
+template <int R, int kBits>
+void QTile(const QActs& a, const QWeights& w, float* y, int64_t N, int64_t m0, int64_t t) {
+  constexpr int64_t per_group = kBits == 4 ? 8 : 4;  // rows of K per 64-byte group
+  const uint8_t* g = w.data + t * w.data_tile;
+  const float* sc = w.scale + t * w.side_tile;
+  const float* of = w.offset ? w.offset + t * w.side_tile : nullptr;
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = a.q + (m0 + r) * a.K;
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(15);
+  auto bcast = [](const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); };
+  for (int64_t k0 = 0, xbi = 0; k0 < a.K; k0 += a.xb, ++xbi) {
+    __m512i isum[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int64_t k = k0; k < k0 + a.xb; k += per_group, g += 64) {
+      const __m512i wb = _mm512_loadu_si512(g);
+      if constexpr (kBits == 4) {
+        const __m512i lo = _mm512_and_si512(wb, mask), hi = _mm512_and_si512(_mm512_srli_epi32(wb, 4), mask);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          isum[r] = _mm512_dpbusd_epi32(isum[r], lo, bcast(xq[r] + k));
+          isum[r] = _mm512_dpbusd_epi32(isum[r], hi, bcast(xq[r] + k + 4));
+        }
+      } else {
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) isum[r] = _mm512_dpbusd_epi32(isum[r], wb, bcast(xq[r] + k));
+      }
+    }
+    const int64_t b = k0 / w.bs;
+    const __m512 s = _mm512_loadu_ps(sc + b * kQCols);
+    const __m512 o = of ? _mm512_loadu_ps(of + b * kQCols) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int32_t X = a.sum[(m0 + r) * a.nxb + xbi];
+      const __m512i iv = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(w.zero * X));
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(iv), s);
+      if (of) v = _mm512_fmadd_ps(o, _mm512_set1_ps(static_cast<float>(X)), v);
+      acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(a.d[(m0 + r) * a.nxb + xbi]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + t * kQCols, acc[r]);
+#else
+  // Portable: the same integer sums and the same float32 steps (one multiply-add fewer fused).
+  float acc[R][kQCols] = {};
+  for (int64_t k0 = 0, xbi = 0; k0 < a.K; k0 += a.xb, ++xbi) {
+    int32_t isum[R][kQCols] = {};
+    for (int64_t k = k0; k < k0 + a.xb; k += per_group, g += 64)
+      for (int n = 0; n < kQCols; ++n)
+        for (int i = 0; i < 4; ++i) {
+          const uint8_t byte = g[4 * n + i];
+          for (int r = 0; r < R; ++r) {
+            if constexpr (kBits == 4) {
+              isum[r][n] += (byte & 15) * xq[r][k + i] + (byte >> 4) * xq[r][k + 4 + i];
+            } else {
+              isum[r][n] += byte * xq[r][k + i];
+            }
+          }
+        }
+    const int64_t b = k0 / w.bs;
+    for (int r = 0; r < R; ++r) {
+      const int32_t X = a.sum[(m0 + r) * a.nxb + xbi];
+      const float dx = a.d[(m0 + r) * a.nxb + xbi];
+      for (int n = 0; n < kQCols; ++n) {
+        float v = static_cast<float>(isum[r][n] - w.zero * X) * sc[b * kQCols + n];
+        if (of) v = std::fma(of[b * kQCols + n], static_cast<float>(X), v);
+        acc[r][n] = std::fma(v, dx, acc[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + (m0 + r) * N + t * kQCols, acc[r], sizeof(acc[r]));
+#endif
+}
+
+// All rows of x against tile t, in passes of at most kQRowsMax rows of balanced size (9 rows, a
+// verify pass at K = 8, are one pass); the tile's weights stay in L1 between passes.
+template <int kBits>
+void QRows(const QActs& a, const QWeights& w, float* y, int64_t M, int64_t N, int64_t t) {
+  const int64_t passes = (M + kQRowsMax - 1) / kQRowsMax;
+  for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+    const int64_t rows = (M - m0) / (passes - p);
+    switch (rows) {
+#define SPECJAX_QCASE(n) case n: QTile<n, kBits>(a, w, y, N, m0, t); break;
+      SPECJAX_QCASE(1) SPECJAX_QCASE(2) SPECJAX_QCASE(3) SPECJAX_QCASE(4) SPECJAX_QCASE(5)
+      SPECJAX_QCASE(6) SPECJAX_QCASE(7) SPECJAX_QCASE(8) SPECJAX_QCASE(9) SPECJAX_QCASE(10)
+#undef SPECJAX_QCASE
+      default: break;
+    }
+    m0 += rows;
+  }
+}
+
+template <int kBits>
+struct QJob {
+  QActs a;
+  QWeights w;
+  float* y;
+  int64_t M, N, tiles, claim;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Work() {
+    for (;;) {
+      const int64_t t0 = next.fetch_add(claim, std::memory_order_relaxed);
+      if (t0 >= tiles) return;
+      const int64_t t1 = std::min(tiles, t0 + claim);
+      for (int64_t t = t0; t < t1; ++t) QRows<kBits>(a, w, y, M, N, t);
+      done.fetch_add(t1 - t0, std::memory_order_release);
+    }
+  }
+};
+
+template <int kBits>
+ffi::Error QRun(ffi::ThreadPool& pool, const QActs& a, const QWeights& w, float* y, int64_t M, int64_t N) {
+  auto job = std::make_shared<QJob<kBits>>();
+  job->a = a;
+  job->w = w;
+  job->y = y;
+  job->M = M;
+  job->N = N;
+  job->tiles = N / kQCols;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  job->claim = std::clamp<int64_t>(job->tiles / (4 * threads), 1, 2 * kTilesPerClaim);
+  const int64_t helpers = std::min<int64_t>(threads, job->tiles / job->claim) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) < job->tiles) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+// x f32 [M, K]; data uint8 [L, N/16, K/per, 64] (per = 8 for bits 4, 4 for bits 8); scale and
+// offset f32 [L, N/16, K/bs, 16]; layer an int32 scalar.
+ffi::Error Q8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> data,
+                  ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> layer,
+                  ffi::ResultBuffer<ffi::F32> y, bool has_offset, int32_t bits, int32_t zero) {
+  const auto xd = x.dimensions(), dd = data.dimensions(), sd = scale.dimensions();
+  const int64_t per = bits == 4 ? 8 : 4;
+  if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("q8dot: bits must be 4 or 8");
+  if (xd.size() != 2 || dd.size() != 4 || sd.size() != 4 || dd[3] != 64 || sd[3] != kQCols || sd[0] != dd[0] ||
+      sd[1] != dd[1] || xd[1] != per * dd[2] || (has_offset && offset.element_count() != scale.element_count()) ||
+      layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "q8dot: expected x [M, K], data [L, N/16, K/per, 64], scale/offset [L, N/16, K/bs, 16], a layer index");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= dd[0]) return ffi::Error::InvalidArgument("q8dot: layer index out of range");
+  const int64_t M = xd[0], K = xd[1], T = dd[1], nb = sd[2];
+  const int64_t bs = nb > 0 ? K / nb : 0;
+  if (bs <= 0 || bs * nb != K || bs % per != 0 || (bs % 32 != 0 && 32 % bs != 0))
+    return ffi::Error::InvalidArgument("q8dot: the block size must divide K, be a multiple of 8 (4 for 8 bits) "
+                                       "and divide 32 or be a multiple of it");
+  QWeights w;
+  w.data = data.typed_data() + l * T * dd[2] * 64;
+  w.scale = scale.typed_data() + l * T * nb * kQCols;
+  w.offset = has_offset ? offset.typed_data() + l * T * nb * kQCols : nullptr;
+  w.bs = bs;
+  w.data_tile = dd[2] * 64;
+  w.side_tile = nb * kQCols;
+  w.zero = zero;
+  QActs a;
+  a.K = K;
+  a.xb = std::min<int64_t>(bs, 32);
+  a.nxb = K / a.xb;
+  std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
+  std::unique_ptr<float[]> d(new float[M * a.nxb]);
+  std::unique_ptr<int32_t[]> sum(new int32_t[M * a.nxb]);
+  QuantizeRows(x.typed_data(), M, K, a.xb, q.get(), d.get(), sum.get());
+  a.q = q.get();
+  a.d = d.get();
+  a.sum = sum.get();
+  return bits == 4 ? QRun<4>(pool, a, w, y->typed_data(), M, T * kQCols)
+                   : QRun<8>(pool, a, w, y->typed_data(), M, T * kQCols);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxBlockDot, BlockImpl,
@@ -380,3 +639,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxTileDot, TileImpl,
                                   .Attr<bool>("has_offset")
                                   .Attr<int32_t>("bits")
                                   .Attr<bool>("is_signed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxQ8Dot, Q8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("has_offset")
+                                  .Attr<int32_t>("bits")
+                                  .Attr<int32_t>("zero"));
