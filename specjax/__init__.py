@@ -11,7 +11,7 @@ while_loop of rounds: drafter.propose -> Program.score -> rule(...) -> Program.c
 -> tokens, and `metrics.statistics` of the loop's counters.
 
 Shape legend. Array names carry their shape as a suffix of these letters, no
-separators (`logits_BRV`, `n_B`, `cache_k_NBGSDh`):
+separators (`logits_BRV`, `n_B`, `cache_k_NBSGDh`):
 
     B  rows of a batch                 V  vocabulary
     T  prompt / fed tokens             D  model width

@@ -7,7 +7,7 @@ does not grow with depth and the KV cache is one array per K and V (a tree of
 `unstack_layers` runs them in a Python loop instead, one float array per layer:
 faster on XLA:CPU, see there):
 
-    cache_k_NBGSDh, cache_v_NBGSDh, lengths_B
+    cache_k_NBSGDh, cache_v_NBSGDh, lengths_B
 
 Attention masks keys by position only (key j is visible to a query at
 position p iff j <= p), so rejected draft tokens never need erasing: the next
@@ -42,15 +42,13 @@ def _weight(module: nn.Module, name: str, shape):
 class KVCache(NamedTuple):
     """Preallocated per-layer keys and values and the committed length of each row."""
 
-    # [N, B, G, S, Dh]: N layers; a layer's slice is in the order attention's dots read it
-    # (heads, then positions), so no step copies a transposed cache
-    k: jax.Array
-    v: jax.Array  # [N, B, G, S, Dh]
+    k: jax.Array  # [N, B, S, G, Dh]: N layers
+    v: jax.Array  # [N, B, S, G, Dh]
     lengths: jax.Array  # int32[B]: positions >= lengths[b] are not (yet) valid for row b
 
 
 def init_cache(config: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
@@ -119,22 +117,21 @@ class Block(nn.Module):
         k_BTGDh = apply_rope(k_BTGDh, positions_BT, inv_freq)
 
         if cache_k is None:  # full forward: attend over this call's tokens only
-            keys_BGSDh, values_BGSDh = k_BTGDh.transpose(0, 2, 1, 3), v_BTGDh.transpose(0, 2, 1, 3)
+            keys_BSGDh, values_BSGDh = k_BTGDh, v_BTGDh
         else:  # write at each row's own offset, in place in the carried cache
-            # (indices [B, 1] and [B, T] around the heads' slice: the update is [B, T, G, Dh])
             rows_B1 = jnp.arange(B)[:, None]
-            cache_k = cache_k.at[layer, rows_B1, :, write_pos_BT].set(k_BTGDh.astype(cache_k.dtype), mode="drop")
-            cache_v = cache_v.at[layer, rows_B1, :, write_pos_BT].set(v_BTGDh.astype(cache_v.dtype), mode="drop")
-            keys_BGSDh, values_BGSDh = cache_k[layer], cache_v[layer]
-        S = keys_BGSDh.shape[2]
+            cache_k = cache_k.at[layer, rows_B1, write_pos_BT].set(k_BTGDh.astype(cache_k.dtype), mode="drop")
+            cache_v = cache_v.at[layer, rows_B1, write_pos_BT].set(v_BTGDh.astype(cache_v.dtype), mode="drop")
+            keys_BSGDh, values_BSGDh = cache_k[layer], cache_v[layer]
+        S = keys_BSGDh.shape[1]
 
         q_BTGQDh = q_BTHDh.reshape(B, T, G, H // G, Dh)
-        scores = jnp.einsum("btgqk,bgsk->bgqts", q_BTGQDh, keys_BGSDh.astype(self.dtype),
+        scores = jnp.einsum("btgqk,bsgk->bgqts", q_BTGQDh, keys_BSGDh.astype(self.dtype),
                             preferred_element_type=jnp.float32) * (Dh ** -0.5)
         visible_BTS = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
         scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        attn_BTHDh = jnp.einsum("bgqts,bgsk->btgqk", probs, values_BGSDh.astype(self.dtype)).reshape(B, T, H, Dh)
+        attn_BTHDh = jnp.einsum("bgqts,bsgk->btgqk", probs, values_BSGDh.astype(self.dtype)).reshape(B, T, H, Dh)
         x_BTD = x_BTD + mm("bthk,hkd->btd", attn_BTHDh, "wo", (H, Dh, D), 2)
 
         h_BTD = RMSNorm(c.rms_norm_eps, name="mlp_norm")(x_BTD, at)

@@ -36,7 +36,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "layers/w_up": ("layers", "embed", "mlp"),
     "layers/w_down": ("layers", "mlp", "embed"),
 }
-CACHE_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")  # KVCache.k / .v
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # KVCache.k / .v
 LOGITS_AXES = ("batch", None, "vocab")  # [B, T, V]
 ROWS_AXES = ("batch", None)  # per-row buffers [B, S]
 
