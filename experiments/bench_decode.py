@@ -188,8 +188,16 @@ def main(argv):
             if (other, b) in times:
                 ratio = statistics.median(times[("specjax", b)]) / statistics.median(times[(other, b)])
                 print(f"\nspecjax / {other} at batch {b}: {ratio:.2f}x")
-    if len(set(map(tuple, first_tokens.values()))) > 1:
-        raise AssertionError(f"specjax variants disagree on the tokens: {first_tokens}")
+    # the float32 paths must agree token for token; the q8 path (int8 activations) need not
+    same = {who: toks for who, toks in first_tokens.items() if variants[who][2] != "q8"}
+    if len(set(map(tuple, same.values()))) > 1:
+        raise AssertionError(f"specjax variants disagree on the tokens: {same}")
+    for who, toks in first_tokens.items():
+        if variants[who][2] == "q8":
+            ref = first_tokens["specjax"]
+            diff = next((i for i, (a, b) in enumerate(zip(toks, ref)) if a != b), None)
+            print(f"{who}: " + ("the same tokens as specjax" if diff is None else
+                                f"parts from specjax's tokens at token {diff} of {len(ref)} (int8 activations)"))
     print("\nfirst tokens:", repr(m.tokenizer.decode(first_tokens["specjax"][:24])))
 
 

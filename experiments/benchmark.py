@@ -200,7 +200,9 @@ def main(argv):
     rows = [dict(engine="specjax", drafter="none", method="target-only", tokens_per_s=base.tps, speedup=1.0,
                  tau=1.0, accepted_per_round=0.0, loose_share=0.0, divergence=0.0, matmul=matmuls[0])]
     for (label, method, matmul), tally in tallies.items():
-        merged = metrics.merge(tally.stats)
+        # (a target-only row of another matmul has no rounds: tau 1, nothing accepted or loose)
+        merged = {"tau": 1.0, "accepted_per_round": 0.0, "loose_share": 0.0} if label == "none" else \
+            metrics.merge(tally.stats)
         rows.append(dict(engine="specjax", drafter=label, method=method + (f"@T={_TYPICAL_T.value}" if method == "typical" else ""),
                          tokens_per_s=tally.tps, speedup=tally.tps / base.tps, tau=merged["tau"],
                          accepted_per_round=merged["accepted_per_round"], loose_share=merged["loose_share"],

@@ -10,7 +10,7 @@ EXP = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 
 
 @pytest.mark.parametrize("binary, flag", [("benchmark.py", "--methods"), ("bench_decode.py", "--max_new_tokens"),
-                                          ("device_check.py", "--max_new_tokens")])
+                                          ("device_check.py", "--max_new_tokens"), ("bench_matmul.py", "--cache_len")])
 def test_help_documents_flags(binary, flag):
     out = subprocess.run([sys.executable, str(EXP / binary), "--help"], capture_output=True, text=True, timeout=120)
     assert flag.lstrip("-") in out.stdout + out.stderr
@@ -43,7 +43,7 @@ def test_benchmark_on_a_mesh_prints_memory_per_device(tmp_path):
         out = subprocess.run([sys.executable, str(EXP / "benchmark.py"), *common, *extra,
                               f"--csv={tmp_path / 'b.csv'}"], capture_output=True, text=True, timeout=600, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
-        assert "| specjax | pld | exact |" in out.stdout
+        assert "| specjax | auto | pld | exact |" in out.stdout
         rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| none |")]
         assert len(rows) == 1, out.stdout
         return [float(x) for x in rows[0][1:]]  # target params, draft params, target cache, draft cache, total
@@ -52,3 +52,16 @@ def test_benchmark_on_a_mesh_prints_memory_per_device(tmp_path):
     assert one[1] == two[1] == 0.0  # prompt lookup has no parameters
     assert 0.5 * one[0] < two[0] < 0.8 * one[0]  # attention (a fifth of the bytes) replicated
     assert two[2] == one[2] > 0  # 3 kv heads do not divide 2: the cache is replicated
+
+
+@pytest.mark.parametrize("matmul, message", [("native,fast", "fast"), ("q8,q8", "(repeated)")])
+def test_benchmark_rejects_a_bad_matmul_list(matmul, message):
+    out = subprocess.run([sys.executable, str(EXP / "benchmark.py"), f"--matmul={matmul}", "--num_prompts=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--matmul" in out.stderr and message in out.stderr
+
+
+def test_bench_matmul_refuses_a_context_without_room():
+    out = subprocess.run([sys.executable, str(EXP / "bench_matmul.py"), "--cache_len=64", "--context=60"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--context must leave room" in out.stderr
