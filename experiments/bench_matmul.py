@@ -7,7 +7,8 @@ the int8-activation path (`Engine(matmul="q8")`: activations rounded to int8 per
 integer dot products). Each product runs 30 times inside one compiled scan (one layer of the
 stack per step, the weights read where they lie, as the engine does), so JAX's dispatch cost
 is not in the figure. Then the target's whole forward (`llama.forward_cached`) at T = 1 and
-T = K + 1 positions with a cache of --cache_len. Rounds alternate between the paths; medians.
+T = K + 1 positions with a cache of --cache_len, as the engine runs it (the q8 path with its
+native attention). Rounds alternate between the paths; medians.
 
     python experiments/bench_matmul.py                        # SmolLM2-135M, K = 8
     python experiments/bench_matmul.py --model qwen2.5-coder-1.5b-instruct --reps 3
@@ -65,6 +66,7 @@ def main(argv):
     m = models.load(_MODEL.value)
     c = m.config
     paths = {"float32 (native)": _pack(m.params, jnp.float32), "int8 activations (q8)": _pack(m.params, jnp.float32, True)}
+    names = list(paths)
     rows_list = (1, _K.value + 1)
     rng = np.random.default_rng(0)
 
@@ -95,27 +97,33 @@ def main(argv):
                 p: head_call(params["head_tiles"], x) for p, params in paths.items()}
     cache = llama.init_cache(c, 1, _CACHE_LEN.value, jnp.float32)._replace(
         lengths=jnp.array([_CONTEXT.value], jnp.int32))
-    with quant.native_matmul(True):
-        step = jax.jit(lambda p, t, cache: llama.forward_cached(c, p, t, cache)[0])
-        for T in rows_list:
-            tokens = jnp.full((1, T), 5, jnp.int32)
-            cases[(f"whole forward, T = {T}", T)] = {p: (lambda p=params, t=tokens: step(p, t, cache))
-                                                     for p, params in paths.items()}
-        times = {key: {p: [] for p in fns} for key, fns in cases.items()}
-        for fns in cases.values():  # compile outside the timings
-            for fn in fns.values():
-                jax.block_until_ready(fn())
-        for r in range(_REPS.value):
-            for key, fns in cases.items():
-                order = list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]
-                for p, fn in order:
-                    calls = 1 if key[0].startswith("whole") else _CALLS
-                    times[key][p].append(_best_ms(fn, calls))
+    def forward(attention_native: bool):
+        def run(params, tokens, cache):  # the settings apply where the function is traced
+            with quant.native_matmul(True), quant.native_attention(attention_native):
+                return llama.forward_cached(c, params, tokens, cache)[0]
+        return jax.jit(run)
+
+    # as the engine runs them: the q8 path with its native attention, the float32 path with XLA's
+    steps = {p: forward(p == names[1]) for p in paths}
+    for T in rows_list:
+        tokens = jnp.full((1, T), 5, jnp.int32)
+        cases[(f"whole forward, T = {T}", T)] = {
+            p: (lambda p=p, t=tokens: steps[p](paths[p], t, cache)) for p in paths}
+    times = {key: {p: [] for p in fns} for key, fns in cases.items()}
+    for fns in cases.values():  # compile outside the timings
+        for fn in fns.values():
+            jax.block_until_ready(fn())
+    for r in range(_REPS.value):
+        for key, fns in cases.items():
+            order = list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]
+            for p, fn in order:
+                calls = 1 if key[0].startswith("whole") else _CALLS
+                times[key][p].append(_best_ms(fn, calls))
+
 
     print(f"machine: {C.machine()}")
     print(f"model: {_MODEL.value}; K = {_K.value}; whole forward: cache {_CACHE_LEN.value}, position "
           f"{_CONTEXT.value}; {_REPS.value} interleaved rounds, medians\n")
-    names = list(paths)
     print(f"| product | rows | {' | '.join(n + ' (us)' for n in names)} | {names[0]} / {names[1]} |")
     print("|---|---|" + "---|" * (len(names) + 1))
     for (what, M), per in times.items():

@@ -96,7 +96,9 @@ class Program:
     @functools.partial(jax.jit, static_argnames=("self",))
     def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state) -> Output:
         """The whole generation: prefill, then rounds until every row is done."""
-        with quant.head_chunks(self.head_chunk), quant.native_matmul(self.native_matmul):
+        # the q8 path also runs cached attention natively (its numerics are llama.cpp's already)
+        with quant.head_chunks(self.head_chunk), quant.native_matmul(self.native_matmul), \
+                quant.native_attention(self.matmul == "q8"):
             state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state)
             if self.drafter is None:
                 body = functools.partial(self.target_only_round, params)

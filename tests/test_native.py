@@ -515,7 +515,7 @@ def test_the_q8_engine_packs_for_the_int8_path_and_stays_close_to_float(small_q4
 @pytest.mark.parametrize("draft, method", [("pld", "exact"), ("model", "exact"), ("pld", "fly")])
 def test_q8_speculation_runs_and_exact_keeps_only_target_tokens(small_q4, draft, method):
     """Exact speculation on the q8 path accepts no loose token and, on this small model, gives q8
-    target-only's tokens (not guaranteed in general: see Engine's matmul="q8")."""
+    target-only's tokens (not guaranteed in general: see Engine's matmul="q8"); runs repeat."""
     draft = random_model(dataclasses.replace(SMALL, num_layers=1), seed=3) if draft == "model" else draft
     settings = dict(k=3, max_new_tokens=10, eos_ids=(), matmul="q8")
     base = specjax.Engine(small_q4, **settings).generate(PROMPTS)
@@ -532,3 +532,86 @@ def test_q8_setting_is_checked(small_q4):
         specjax.Engine(small_q4, matmul="q8", mesh=mesh)
     with pytest.raises(ValueError, match="matmul='q8' runs float32 models"):
         specjax.Engine(random_model(SMALL, seed=1, dtype=jnp.bfloat16), matmul="q8")
+
+
+# --- the native attention of the q8 path ---
+
+
+def attention_reference(q, k, v, layer, positions):
+    """float64 softmax attention of each query over the keys at positions <= its own."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, T, H, Dh = q.shape
+    G = k.shape[3]
+    out = np.zeros((B, T, H, Dh))
+    for b in range(B):
+        for t in range(T):
+            n = min(int(positions[b, t]) + 1, k.shape[2])
+            for h in range(H):
+                g = h // (H // G)
+                s = k[layer, b, :n, g] @ q[b, t, h] / np.sqrt(Dh)
+                p = np.exp(s - s.max())
+                out[b, t, h] = (p / p.sum()) @ v[layer, b, :n, g]
+    return out
+
+
+@pytest.mark.parametrize("B, T, H, G, S, Dh", [(1, 1, 9, 3, 64, 64), (3, 5, 4, 4, 40, 16), (2, 9, 14, 2, 33, 64),
+                                               (1, 3, 2, 1, 17, 12)])
+def test_native_attention_matches_a_float64_reference(B, T, H, G, S, Dh):
+    rng = np.random.default_rng(B * 100 + T + S)
+    L = 3
+    q = rng.standard_normal((B, T, H, Dh)).astype(np.float32) * 2
+    k = rng.standard_normal((L, B, S, G, Dh)).astype(np.float32)
+    v = rng.standard_normal((L, B, S, G, Dh)).astype(np.float32)
+    k[1, 0, 0] = 8.0  # one dominant key: a large spread of scores
+    positions = np.stack([rng.integers(0, S + 3, T) for _ in range(B)]).astype(np.int32)  # ragged, some past S
+    positions[0, 0] = 0  # a query that sees one key
+    f = jax.jit(native.attention)
+    for layer in (0, 1):
+        got = np.asarray(f(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.int32(layer), jnp.asarray(positions)))
+        np.testing.assert_allclose(got, attention_reference(q, k, v, layer, positions), rtol=2e-5, atol=2e-5)
+
+
+def test_native_attention_depends_on_a_query_position_only():
+    """Bit for bit the same output for a query whatever T, the cache length and the other rows:
+    what makes the q8 path's verify pass and decode step agree."""
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((2, 6, 4, 16)).astype(np.float32))
+    k = rng.standard_normal((2, 2, 48, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 48, 2, 16)).astype(np.float32)
+    pos = jnp.asarray([[10, 11, 12, 13, 14, 15], [3, 4, 5, 6, 7, 8]], jnp.int32)
+    full = np.asarray(native.attention(q, jnp.asarray(k), jnp.asarray(v), 1, pos))
+    one = np.asarray(native.attention(q[1:, 2:3], jnp.asarray(k[:, 1:]), jnp.asarray(v[:, 1:]), 1, pos[1:, 2:3]))
+    np.testing.assert_array_equal(one[0, 0], full[1, 2])
+    longer = [np.concatenate([a, rng.standard_normal((2, 2, 16, 2, 16)).astype(np.float32)], axis=2) for a in (k, v)]
+    np.testing.assert_array_equal(np.asarray(native.attention(q, jnp.asarray(longer[0]), jnp.asarray(longer[1]), 1, pos)), full)
+
+
+def test_native_attention_refuses_what_it_cannot_take():
+    q = jnp.zeros((1, 1, 3, 8), jnp.float32)
+    with pytest.raises(ValueError, match="H a multiple of G"):
+        native.attention(q, jnp.zeros((1, 1, 4, 2, 8)), jnp.zeros((1, 1, 4, 2, 8)), 0, jnp.zeros((1, 1), jnp.int32))
+    with pytest.raises(ValueError, match="float32"):
+        native.attention(q.astype(jnp.bfloat16), jnp.zeros((1, 1, 4, 3, 8)), jnp.zeros((1, 1, 4, 3, 8)), 0,
+                         jnp.zeros((1, 1), jnp.int32))
+
+
+def test_q8_forward_uses_the_native_attention_and_stays_close(small_q4):
+    from specjax.models import llama
+
+    engine = specjax.Engine(small_q4, matmul="q8", max_new_tokens=4, eos_ids=())
+    cache = llama.init_cache(SMALL, 2, 32)
+    prefix = jnp.asarray([[5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6]], jnp.int32)
+
+    def run(attention):
+        def fwd(p, t, cache):
+            with quant.native_matmul(True), quant.native_attention(attention):
+                logits, cache = llama.forward_cached(SMALL, p, t, cache)
+                cache = cache._replace(lengths=jnp.asarray([6, 4], jnp.int32))
+                return llama.forward_cached(SMALL, p, t[:, :3], cache)[0]
+        f = jax.jit(fwd)
+        return np.asarray(f(engine.params.target, prefix, cache)), f.lower(engine.params.target, prefix, cache).as_text()
+
+    on, text_on = run(True)
+    off, text_off = run(False)
+    assert "specjax_attention" in text_on and "specjax_attention" not in text_off
+    np.testing.assert_allclose(on, off, rtol=1e-4, atol=1e-4)

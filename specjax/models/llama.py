@@ -77,6 +77,12 @@ def apply_rope(x_BTHDh, positions_BT, inv_freq):
     return out.astype(x_BTHDh.dtype)
 
 
+def _native_attention_takes(q_BTHDh, cache_k) -> bool:
+    from specjax import native
+
+    return native.attention_supported(q_BTHDh, cache_k)
+
+
 class Block(nn.Module):
     """One decoder layer; scanned over layers by `Transformer`.
 
@@ -125,13 +131,19 @@ class Block(nn.Module):
             keys_BSGDh, values_BSGDh = cache_k[layer], cache_v[layer]
         S = keys_BSGDh.shape[1]
 
-        q_BTGQDh = q_BTHDh.reshape(B, T, G, H // G, Dh)
-        scores = jnp.einsum("btgqk,bsgk->bgqts", q_BTGQDh, keys_BSGDh.astype(self.dtype),
-                            preferred_element_type=jnp.float32) * (Dh ** -0.5)
-        visible_BTS = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
-        scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        attn_BTHDh = jnp.einsum("bgqts,bsgk->btgqk", probs, values_BSGDh.astype(self.dtype)).reshape(B, T, H, Dh)
+        if cache_k is not None and quant.native_attention_enabled() and _native_attention_takes(q_BTHDh, cache_k):
+            from specjax import native
+
+            # each query over its visible keys only, the stack read in place (no copy of the layer)
+            attn_BTHDh = native.attention(q_BTHDh, cache_k, cache_v, layer, positions_BT)
+        else:
+            q_BTGQDh = q_BTHDh.reshape(B, T, G, H // G, Dh)
+            scores = jnp.einsum("btgqk,bsgk->bgqts", q_BTGQDh, keys_BSGDh.astype(self.dtype),
+                                preferred_element_type=jnp.float32) * (Dh ** -0.5)
+            visible_BTS = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
+            scores = jnp.where(visible_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+            attn_BTHDh = jnp.einsum("bgqts,bsgk->btgqk", probs, values_BSGDh.astype(self.dtype)).reshape(B, T, H, Dh)
         x_BTD = x_BTD + mm("bthk,hkd->btd", attn_BTHDh, "wo", (H, Dh, D), 2)
 
         h_BTD = RMSNorm(c.rms_norm_eps, name="mlp_norm")(x_BTD, at)

@@ -290,6 +290,26 @@ def native_matmul(on: bool | None):
         _native.pop()
 
 
+# Whether cached attention runs in specjax.native's kernel (each query over its visible keys,
+# the cache read in place). Off by default: its exponential is not XLA's, so only the q8 path,
+# whose numerics are llama.cpp's anyway, turns it on (loop.Program).
+_native_attention: list = [False]
+
+
+@contextlib.contextmanager
+def native_attention(on: bool):
+    """Within this context (at trace time) llama.Block computes cached attention natively."""
+    _native_attention.append(bool(on))
+    try:
+        yield
+    finally:
+        _native_attention.pop()
+
+
+def native_attention_enabled() -> bool:
+    return _native_attention[-1]
+
+
 def default_native() -> bool:
     """On the CPU backend when the kernel builds here (and SPECJAX_NATIVE is not 0). Not for a
     mesh: a custom call has no sharding rule, so GSPMD would gather its operands (the caller

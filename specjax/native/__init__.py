@@ -31,6 +31,7 @@ from specjax.models.quant import PACK_COLUMNS
 
 ENV_VAR = "SPECJAX_NATIVE"
 SOURCE = os.path.join(os.path.dirname(__file__), "blockdot.cc")
+SOURCES = (SOURCE, os.path.join(os.path.dirname(__file__), "attention.cc"))  # one library
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 COLUMNS = PACK_COLUMNS  # N must be a multiple of the kernel's tile (blockdot.cc: kCols)
 
@@ -54,9 +55,12 @@ def _library_path() -> str:
 
     from specjax.models import presets
 
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(FLAGS).encode() + jaxlib.__version__.encode()
-                                + _cpu_key().encode()).hexdigest()[:16]
+    text = b""
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            text += f.read()
+    digest = hashlib.sha256(text + " ".join(FLAGS).encode() + jaxlib.__version__.encode()
+                            + _cpu_key().encode()).hexdigest()[:16]
     return os.path.join(presets.cache_dir(), "native", f"blockdot-{digest}.so")
 
 
@@ -67,7 +71,7 @@ def _compile(path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
@@ -88,6 +92,7 @@ def _load() -> bool:
         jax.ffi.register_ffi_target("specjax_densedot", jax.ffi.pycapsule(lib.SpecjaxDenseDot), platform="cpu")
         jax.ffi.register_ffi_target("specjax_tiledot", jax.ffi.pycapsule(lib.SpecjaxTileDot), platform="cpu")
         jax.ffi.register_ffi_target("specjax_q8dot", jax.ffi.pycapsule(lib.SpecjaxQ8Dot), platform="cpu")
+        jax.ffi.register_ffi_target("specjax_attention", jax.ffi.pycapsule(lib.SpecjaxAttention), platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"specjax's native CPU matmul is unavailable, using XLA's dot instead: {e}", stacklevel=2)
         return False
@@ -204,3 +209,25 @@ def _ffi_dot(x_MK, w, layer):
     if w.shape[0] != K:
         raise ValueError(f"x has {K} columns, the weight {w.shape[0]} rows")
     return jax.ffi.ffi_call("specjax_densedot", out(w.shape[1]), vmap_method="sequential")(x_MK, w)
+
+
+def attention_supported(q_BTHDh, cache_k) -> bool:
+    """Whether `attention` takes these: float32 queries and cache, H a multiple of G."""
+    return (q_BTHDh.dtype == jnp.float32 and cache_k.dtype == jnp.float32 and cache_k.ndim == 5
+            and q_BTHDh.shape[2] % cache_k.shape[3] == 0 and q_BTHDh.shape[3] == cache_k.shape[4])
+
+
+def attention(q_BTHDh, cache_k_NBSGDh, cache_v_NBSGDh, layer, positions_BT):
+    """float32[B, T, H, Dh]: each query's attention over the keys of layer `layer` of the cache
+    at positions j <= its own position (`attention.cc`), the stack read where it lies. The same
+    values as llama.Block's masked softmax up to float32 rounding (a polynomial exponential), and
+    a query's output does not depend on T, on the cache length or on the other rows."""
+    if not available():
+        raise RuntimeError("the native kernel is not available (see specjax.native)")
+    if not attention_supported(q_BTHDh, cache_k_NBSGDh) or cache_v_NBSGDh.shape != cache_k_NBSGDh.shape:
+        raise ValueError(f"native.attention takes float32 q [B, T, H, Dh] and caches [L, B, S, G, Dh] with H a "
+                         f"multiple of G; got q {q_BTHDh.dtype} {q_BTHDh.shape}, k {cache_k_NBSGDh.dtype} "
+                         f"{cache_k_NBSGDh.shape}, v {cache_v_NBSGDh.shape}")
+    return jax.ffi.ffi_call("specjax_attention", jax.ShapeDtypeStruct(q_BTHDh.shape, jnp.float32),
+                            vmap_method="sequential")(
+        q_BTHDh, cache_k_NBSGDh, cache_v_NBSGDh, jnp.asarray(layer, jnp.int32), positions_BT.astype(jnp.int32))

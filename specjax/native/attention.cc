@@ -1,0 +1,202 @@
+// Attention of T new positions per row over one layer of the KV cache, read where it lies, as an
+// XLA FFI custom call on the CPU (Engine(matmul="q8") uses it; see specjax.native.attention).
+//
+// XLA computes a cached attention over the whole cache length S, masked, and first copies the
+// layer's keys and values into the layout its dots want; here each query reads only the keys it
+// can see (j <= its position), in place in the stack of layers. Each (row, position, KV head)
+// is one task: its H / G query heads share every key and value read.
+//
+// Numerics: float32; for a query, one pass of scores in key order, the max, exponentials (a
+// polynomial with about 2 ulp of error, not libm's), their sum in key order, and the weighted
+// sum of values in key order. So a query's output depends on its position and the cache only:
+// not on T, S or the other rows.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 (scores minus their max); below -87.3 the result is 0 or a denormal.
+inline __m512 Exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// The same polynomial, one value at a time (the portable build and the tails).
+inline float ExpScalar(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(-n, 0.693359375f, x);
+  r = std::fma(-n, -2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r + 1.0f);
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+struct Shape {
+  int64_t B, T, H, G, S, Dh;
+};
+
+// One task: row b, position t, KV head g, its Q = H / G query heads.
+void Task(const float* q, const float* k, const float* v, const int32_t* pos, float* out, const Shape& s,
+          int64_t b, int64_t t, int64_t g, std::vector<float>& scores) {
+  const int64_t Q = s.H / s.G, Dh = s.Dh;
+  const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(pos[b * s.T + t]) + 1, 0, s.S);
+  const int64_t kv_stride = s.G * Dh;  // between consecutive positions
+  const float* kb = k + (b * s.S * s.G + g) * Dh;
+  const float* vb = v + (b * s.S * s.G + g) * Dh;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
+  scores.resize(static_cast<size_t>(Q * std::max<int64_t>(n, 1)));
+  for (int64_t qh = 0; qh < Q; ++qh) {
+    const int64_t h = g * Q + qh;
+    const float* qv = q + ((b * s.T + t) * s.H + h) * Dh;
+    float* o = out + ((b * s.T + t) * s.H + h) * Dh;
+    float* sc = scores.data() + qh * n;
+    if (n == 0) {
+      std::memset(o, 0, sizeof(float) * Dh);
+      continue;
+    }
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kj = kb + j * kv_stride;
+      float d = 0.0f;
+#if defined(__AVX512F__)
+      if (Dh % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < Dh; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qv + i), _mm512_loadu_ps(kj + i), acc);
+        d = _mm512_reduce_add_ps(acc);
+      } else
+#endif
+      {
+        for (int64_t i = 0; i < Dh; ++i) d = std::fma(qv[i], kj[i], d);
+      }
+      sc[j] = d * scale;
+      m = std::max(m, sc[j]);
+    }
+    float sum = 0.0f;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16) {
+      const __m512 e = Exp(_mm512_sub_ps(_mm512_loadu_ps(sc + j), _mm512_set1_ps(m)));
+      _mm512_storeu_ps(sc + j, e);
+    }
+#endif
+    for (; j < n; ++j) sc[j] = ExpScalar(sc[j] - m);
+    for (j = 0; j < n; ++j) sum += sc[j];  // in key order
+    const float inv = 1.0f / sum;
+#if defined(__AVX512F__)
+    if (Dh % 16 == 0 && Dh <= 256) {
+      __m512 acc[16];
+      const int64_t nv = Dh / 16;
+      for (int64_t i = 0; i < nv; ++i) acc[i] = _mm512_setzero_ps();
+      for (j = 0; j < n; ++j) {
+        const __m512 p = _mm512_set1_ps(sc[j]);
+        const float* vj = vb + j * kv_stride;
+        for (int64_t i = 0; i < nv; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * i), acc[i]);
+      }
+      for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
+      continue;
+    }
+#endif
+    for (int64_t i = 0; i < Dh; ++i) o[i] = 0.0f;
+    for (j = 0; j < n; ++j) {
+      const float* vj = vb + j * kv_stride;
+      for (int64_t i = 0; i < Dh; ++i) o[i] = std::fma(sc[j], vj[i], o[i]);
+    }
+    for (int64_t i = 0; i < Dh; ++i) o[i] *= inv;
+  }
+}
+
+struct AttnJob {
+  const float *q, *k, *v;
+  const int32_t* pos;
+  float* out;
+  Shape s;
+  int64_t tasks;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Work() {
+    thread_local std::vector<float> scores;
+    for (;;) {
+      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= tasks) return;
+      const int64_t g = i % s.G, bt = i / s.G;
+      Task(q, k, v, pos, out, s, bt / s.T, bt % s.T, g, scores);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// q [B, T, H, Dh]; cache k / v [L, B, S, G, Dh]; layer s32[]; positions s32[B, T]; out [B, T, H, Dh].
+ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = positions.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || pd.size() != 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("attention: expected q [B, T, H, Dh], k/v [L, B, S, G, Dh], a layer, positions [B, T]");
+  for (size_t i = 0; i < 5; ++i)
+    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("attention: keys and values differ in shape");
+  const Shape s{qd[0], qd[1], qd[2], kd[3], kd[2], qd[3]};
+  if (kd[1] != s.B || kd[4] != s.Dh || pd[0] != s.B || pd[1] != s.T || s.G <= 0 || s.H % s.G != 0)
+    return ffi::Error::InvalidArgument("attention: q, cache and positions disagree (or H is not a multiple of G)");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument("attention: layer index out of range");
+  const int64_t per_layer = s.B * s.S * s.G * s.Dh;
+  auto job = std::make_shared<AttnJob>();
+  job->q = q.typed_data();
+  job->k = k.typed_data() + l * per_layer;
+  job->v = v.typed_data() + l * per_layer;
+  job->pos = positions.typed_data();
+  job->out = out->typed_data();
+  job->s = s;
+  job->tasks = s.B * s.T * s.G;
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), job->tasks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  while (job->done.load(std::memory_order_acquire) < job->tasks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttention, AttnImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
