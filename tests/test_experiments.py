@@ -57,7 +57,7 @@ def run(name, args, env, ok=True):
 HELP_FLAGS = {
     "generate": ["--draft", "--method", "--theta", "--window", "--entropy", "--rule", "--budget", "--gate",
                  "--block_cap", "--suffix", "--min_count", "--tau", "--epsilon", "--delta", "--csd_memory",
-                 "--asd_calibration", "--prompts_file", "--batch_size"],
+                 "--asd_calibration", "--prompts_file", "--batch_size", "--matmul"],
     "calibrate_csd": ["--draft", "--output", "--capacity", "--positions", "--eval_prompts"],
     "calibrate_asd": ["--draft", "--output", "--percentile", "--crosscheck"],
     "sweep": ["--thetas", "--windows", "--ks", "--budgets", "--gates", "--min_counts", "--output_dir"],
