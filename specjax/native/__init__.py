@@ -32,6 +32,7 @@ from specjax.models.quant import PACK_COLUMNS
 ENV_VAR = "SPECJAX_NATIVE"
 SOURCE = os.path.join(os.path.dirname(__file__), "blockdot.cc")
 SOURCES = (SOURCE, os.path.join(os.path.dirname(__file__), "attention.cc"))  # one library
+HEADERS = (os.path.join(os.path.dirname(__file__), "parallel.h"),)  # in the library's key too
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 COLUMNS = PACK_COLUMNS  # N must be a multiple of the kernel's tile (blockdot.cc: kCols)
 
@@ -56,7 +57,7 @@ def _library_path() -> str:
     from specjax.models import presets
 
     text = b""
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         with open(source, "rb") as f:
             text += f.read()
     digest = hashlib.sha256(text + " ".join(FLAGS).encode() + jaxlib.__version__.encode()

@@ -12,12 +12,9 @@
 // not on T, S or the other rows.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -25,6 +22,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -139,27 +137,6 @@ void Task(const float* q, const float* k, const float* v, const int32_t* pos, fl
   }
 }
 
-struct AttnJob {
-  const float *q, *k, *v;
-  const int32_t* pos;
-  float* out;
-  Shape s;
-  int64_t tasks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    thread_local std::vector<float> scores;
-    for (;;) {
-      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= tasks) return;
-      const int64_t g = i % s.G, bt = i / s.G;
-      Task(q, k, v, pos, out, s, bt / s.T, bt % s.T, g, scores);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 // q [B, T, H, Dh]; cache k / v [L, B, S, G, Dh]; layer s32[]; positions s32[B, T]; out [B, T, H, Dh].
 ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
@@ -174,18 +151,16 @@ ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument("attention: layer index out of range");
   const int64_t per_layer = s.B * s.S * s.G * s.Dh;
-  auto job = std::make_shared<AttnJob>();
-  job->q = q.typed_data();
-  job->k = k.typed_data() + l * per_layer;
-  job->v = v.typed_data() + l * per_layer;
-  job->pos = positions.typed_data();
-  job->out = out->typed_data();
-  job->s = s;
-  job->tasks = s.B * s.T * s.G;
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), job->tasks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->tasks) std::this_thread::yield();
+  const float *qp = q.typed_data(), *kp = k.typed_data() + l * per_layer, *vp = v.typed_data() + l * per_layer;
+  const int32_t* pp = positions.typed_data();
+  float* op = out->typed_data();
+  specjax_native::ParallelFor(pool, s.B * s.T * s.G, 1, [=](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i % s.G, bt = i / s.G;
+      Task(qp, kp, vp, pp, op, s, bt / s.T, bt % s.T, g, scores);
+    }
+  });
   return ffi::Error::Success();
 }
 

@@ -16,23 +16,21 @@
 // does not depend on M or on how the work is split among threads.
 //
 // Threads: the columns are cut into tiles of kCols, claimed from an atomic counter by the
-// calling thread and by helpers scheduled on XLA's intra-op pool; a helper that starts late
-// finds nothing to claim, so the call never waits on a busy pool.
+// calling thread and by helpers scheduled on XLA's intra-op pool (parallel.h).
 
 #include <algorithm>
 #include <cmath>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <thread>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -225,45 +223,15 @@ void Group(const float* x, float* y, const Weights& w, int64_t M, int64_t K, int
 }
 
 template <Codes kCodes, bool kOffset>
-struct Job {
-  const float* x;
-  float* y;
-  Weights w;
-  int64_t M, K, N, tiles, claim;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    for (;;) {
-      const int64_t t0 = next.fetch_add(claim, std::memory_order_relaxed);
-      if (t0 >= tiles) return;
-      const int64_t t1 = std::min(tiles, t0 + claim);
-      Group<kCodes, kOffset>(x, y, w, M, K, N, t0, t1);
-      done.fetch_add(t1 - t0, std::memory_order_release);
-    }
-  }
-};
-
-template <Codes kCodes, bool kOffset>
 ffi::Error RunAs(ffi::ThreadPool& pool, const float* x, float* y, const Weights& w, int64_t M, int64_t K,
                  int64_t N) {
-  auto job = std::make_shared<Job<kCodes, kOffset>>();
-  job->x = x;
-  job->y = y;
-  job->w = w;
-  job->M = M;
-  job->K = K;
-  job->N = N;
-  job->tiles = N / kCols;
   // Claims small enough that every thread gets a few (a layer's 6 or 18 tiles too), and up to
   // 8 tiles where there are many (the LM head's 1536).
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  job->claim = std::clamp<int64_t>(job->tiles / (4 * threads), 1, kTilesPerClaim);
-  const int64_t helpers = std::min<int64_t>(threads, job->tiles / job->claim) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  // Tiles claimed by helpers may still be in flight.
-  while (job->done.load(std::memory_order_acquire) < job->tiles) std::this_thread::yield();
+  const int64_t tiles = N / kCols, threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t claim = std::clamp<int64_t>(tiles / (4 * threads), 1, kTilesPerClaim);
+  specjax_native::ParallelFor(pool, tiles, claim, [=, &w](int64_t t0, int64_t t1) {
+    Group<kCodes, kOffset>(x, y, w, M, K, N, t0, t1);
+  });
   return ffi::Error::Success();
 }
 
@@ -528,40 +496,12 @@ void QRows(const QActs& a, const QWeights& w, float* y, int64_t M, int64_t N, in
 }
 
 template <int kBits>
-struct QJob {
-  QActs a;
-  QWeights w;
-  float* y;
-  int64_t M, N, tiles, claim;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    for (;;) {
-      const int64_t t0 = next.fetch_add(claim, std::memory_order_relaxed);
-      if (t0 >= tiles) return;
-      const int64_t t1 = std::min(tiles, t0 + claim);
-      for (int64_t t = t0; t < t1; ++t) QRows<kBits>(a, w, y, M, N, t);
-      done.fetch_add(t1 - t0, std::memory_order_release);
-    }
-  }
-};
-
-template <int kBits>
 ffi::Error QRun(ffi::ThreadPool& pool, const QActs& a, const QWeights& w, float* y, int64_t M, int64_t N) {
-  auto job = std::make_shared<QJob<kBits>>();
-  job->a = a;
-  job->w = w;
-  job->y = y;
-  job->M = M;
-  job->N = N;
-  job->tiles = N / kQCols;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  job->claim = std::clamp<int64_t>(job->tiles / (4 * threads), 1, 2 * kTilesPerClaim);
-  const int64_t helpers = std::min<int64_t>(threads, job->tiles / job->claim) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < job->tiles) std::this_thread::yield();
+  const int64_t tiles = N / kQCols, threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t claim = std::clamp<int64_t>(tiles / (4 * threads), 1, 2 * kTilesPerClaim);
+  specjax_native::ParallelFor(pool, tiles, claim, [=, &a, &w](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) QRows<kBits>(a, w, y, M, N, t);
+  });
   return ffi::Error::Success();
 }
 
