@@ -93,12 +93,10 @@ class Engine:
     but its logits are llama.cpp-like, not the float32 model's) or "xla" (always XLA's dot).
     The "native" kernel's logits agree with XLA's to float32 rounding, and are the same bit for
     bit from block codes or from their float32 dequantization. With "q8" cached attention runs
-    natively too (each query over its visible keys; `native.attention`), and a row's matmuls and
-    attention do not depend on the other rows or the cache length; but rounding activations to
-    int8 can turn a last-bit difference in the rest of the program (a norm that the decode and
-    the verify programs fuse differently) into a different code: exact speculation keeps only
-    the q8 target's own choices, yet over long outputs it may part from q8 target-only decoding
-    at a near-tie (6 of 8 HumanEval completions of 128 tokens on SmolLM2 did).
+    natively too (each query over its visible keys; `native.attention`), and every op of a
+    position is computed per row (int8 matmuls, attention, the norms' fixed-order sums, RoPE and
+    the elementwise rest): a token gets the same logits in a verify pass of K + 1 positions as
+    when decoded alone, so exact speculation on this path gives q8 target-only's tokens.
     layers: "stacked" (a scan over layers: compile time independent of depth, block-quantized
     weights kept as codes; with the native kernel, in its tile-major order, 4-bit codes two per
     byte, read in place) or "unrolled" (one device only: a loop of layers, each with its own

@@ -155,6 +155,24 @@ def test_select_positions_gives_the_same_logits():
     np.testing.assert_allclose(some[:, 0], jnp.stack([all_logits[0, 8], all_logits[1, 3]]), atol=1e-5)
 
 
+@pytest.mark.parametrize("D", [576, 896, 64, 96, 48])
+def test_norm_of_a_row_does_not_depend_on_how_many_rows(D):
+    """A position's RMSNorm has the same bits at T = 1 and in a verify pass of 9+ rows (XLA:CPU's
+    own reduction changes its order there), and equals a float64 norm to rounding."""
+    rng = np.random.default_rng(D)
+    x = rng.standard_normal((2, 64, D)).astype(np.float32) * 3
+    x[1, :, : D // 2] = 0.0
+    norm = llama.RMSNorm(1e-5)
+    params = {"params": {"scale": jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.float32)}}
+    apply = jax.jit(norm.apply)
+    first = np.asarray(apply(params, x[:, :1]))
+    for T in (2, 5, 8, 9, 17, 64):
+        np.testing.assert_array_equal(np.asarray(apply(params, x[:, :T]))[:, :1], first)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * np.asarray(params["params"]["scale"])
+    np.testing.assert_allclose(np.asarray(apply(params, x)), ref, rtol=2e-6, atol=2e-6)
+
+
 def test_rope_llama3_scaling_changes_only_low_frequencies():
     base = Config(**{**TINY.__dict__, "head_dim": 64, "hidden_size": 256, "rope_theta": 500000.0})
     scaled = Config(**{**base.__dict__, "rope_scaling": models.RopeScaling(8.0, 1.0, 4.0, 64)})

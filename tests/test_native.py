@@ -615,3 +615,28 @@ def test_q8_forward_uses_the_native_attention_and_stays_close(small_q4):
     off, text_off = run(False)
     assert "specjax_attention" in text_on and "specjax_attention" not in text_off
     np.testing.assert_allclose(on, off, rtol=1e-4, atol=1e-4)
+
+
+def test_q8_forward_gives_a_position_the_same_logits_at_any_width():
+    """On the q8 path every op of a position is per row (int8 rows, native attention, the norm's
+    fixed-order sum), so a token scored in a K = 8 or 16 verify pass gets the bits it gets when
+    decoded alone: what makes exact speculation equal q8 target-only decoding."""
+    from specjax.engine import _pack
+    from specjax.models import llama
+
+    config = dataclasses.replace(SMALL, hidden_size=576, intermediate_size=128, num_heads=9, num_kv_heads=3,
+                                 head_dim=64)  # SmolLM2's width, where XLA's own row sum changes at T = 9
+    params = _pack(_q8_layers(random_model(config, seed=2)).params, jnp.float32, True)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 30)), jnp.int32)
+
+    def score(width):
+        def fwd(p, t, cache):
+            with quant.native_matmul(True), quant.native_attention(True):
+                _, cache = llama.forward_cached(config, p, t[:, :12], cache)
+                cache = cache._replace(lengths=jnp.asarray([12, 12], jnp.int32))
+                return llama.forward_cached(config, p, t[:, 12:12 + width], cache)[0]
+        return np.asarray(jax.jit(fwd)(params, tokens, llama.init_cache(config, 2, 48)))
+
+    one = score(1)
+    for width in (5, 9, 17):
+        np.testing.assert_array_equal(score(width)[:, :1], one)

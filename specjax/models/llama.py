@@ -62,8 +62,28 @@ class RMSNorm(nn.Module):
         else:  # Block.stacked: the stack of every layer's scale, this one's picked
             scale = quant.layer_of(self.get_variable("params", "scale"), layer)
         x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        y = x32 * jax.lax.rsqrt(_row_sum(x32 * x32) * (1.0 / x.shape[-1]) + self.eps)
         return (scale.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def _row_sum(a):
+    """Sum over the last axis in an order fixed by D alone (elementwise adds of slices).
+
+    XLA:CPU reduces a row in another order once there are 9 or more rows (T >= 9: a K = 8
+    verify pass), so a position's norm differed in its last bits between the decode and the
+    verify programs; the int8 activations of the q8 path turn such a bit into another code
+    and exact speculation parted from target-only decoding. Adds of slices are exactly rounded
+    wherever they run, so every row gets the same bits whatever the batch, T or backend.
+    """
+    D = a.shape[-1]
+    width = 64 if D % 64 == 0 else D
+    s = a[..., :width]
+    for i in range(width, D, width):  # chunks of 64 in order, then halves
+        s = s + a[..., i:i + width]
+    while s.shape[-1] % 2 == 0:
+        h = s.shape[-1] // 2
+        s = s[..., :h] + s[..., h:]
+    return s if s.shape[-1] == 1 else jnp.sum(s, axis=-1, keepdims=True)
 
 
 def apply_rope(x_BTHDh, positions_BT, inv_freq):
