@@ -242,7 +242,8 @@ def small_q8():
     return _q8_layers(random_model(SMALL, seed=5))
 
 
-@pytest.mark.parametrize("draft, method", [(None, "greedy"), ("pld", "fly"), ("model", "exact")])
+@pytest.mark.parametrize("draft, method", [(None, "greedy"), ("pld", "fly"),
+                                           pytest.param("model", "exact", marks=pytest.mark.heavy)])
 def test_native_and_xla_matmuls_give_the_same_tokens(small_q8, draft, method):
     draft = random_model(dataclasses.replace(SMALL, num_layers=1), seed=3) if draft == "model" else draft
     settings = dict(draft=draft, method=method, k=3, max_new_tokens=8, eos_ids=())
