@@ -99,5 +99,8 @@ def test_a_killed_audit_resumes_to_the_uninterrupted_result(env, tmp_path):
     assert f"{len(want)}/{len(want)} completions already in" in err and " batch 1/" not in err
     assert lines(path) == got
 
-    out, err = finish(audit(resumed, env, "--batch_size", "3"), ok=False)  # other settings, same directory
-    assert "other settings (--batch_size 2 -> 3)" in err and "Traceback" not in err
+    settings = json.loads((resumed / "run.json").read_text())
+    assert settings.pop("matmul") == "auto"
+    (resumed / "run.json").write_text(json.dumps(settings))  # as recorded before --matmul existed: auto
+    out, err = finish(audit(resumed, env, "--batch_size", "3", "--matmul", "q8"), ok=False)  # other settings
+    assert "other settings (--batch_size 2 -> 3; --matmul 'auto' -> 'q8')" in err and "Traceback" not in err
