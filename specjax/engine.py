@@ -53,8 +53,8 @@ def _pack(params, dtype, q8: bool = False):
     computes in float32; bfloat16 activations go to XLA's dot."""
     if not isinstance(params, dict) or "layers" not in params or jnp.dtype(dtype) != jnp.float32:
         return params
-    exact = lambda w: quant.pack_for_native(w)  # noqa: E731
-    pack = (lambda w: q if isinstance(q := quant.pack_for_q8(w), quant.Q8Tiles) else exact(w)) if q8 else exact
+    pack = (lambda w: q if isinstance(q := quant.pack_for_q8(w), quant.Q8Tiles) else quant.pack_for_native(w)) \
+        if q8 else quant.pack_for_native
     layers = jax.tree.map(lambda w: pack(w) if isinstance(w, quant.BlockQuant) else w,
                           params["layers"], is_leaf=lambda w: isinstance(w, quant.BlockQuant))
     out = {**params, "layers": layers}

@@ -63,8 +63,24 @@ class BlockQuant:
 PACK_COLUMNS = 32
 
 
+class _Relaid:
+    """What the native kernel's layouts of a BlockQuant share: float32 values, their bytes, and
+    the dequantized weight by way of the row-major BlockQuant (`unpacked`, per layout)."""
+
+    @property
+    def dtype(self):
+        return jnp.float32
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.data, self.scale, self.offset)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.unpacked().dequantize(dtype)
+
+
 @struct.dataclass
-class PackedQuant:
+class PackedQuant(_Relaid):
     """A BlockQuant's codes in the native CPU kernel's order: each tile of 32 columns one
     contiguous stream, which the kernel reads where it lies, and 4-bit codes two per byte (half
     the code bytes). The engine makes them only for that kernel (`pack_nibbles`, `tile_codes`),
@@ -83,14 +99,6 @@ class PackedQuant:
     bits: int = struct.field(pytree_node=False, default=4)
     signed: bool = struct.field(pytree_node=False, default=False)
 
-    @property
-    def dtype(self):
-        return jnp.float32
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.data, self.scale, self.offset)
-
     def unpacked(self) -> BlockQuant:
         """The same weight as a BlockQuant (one int8 code per weight, row-major)."""
         if self.bits == 4:
@@ -107,9 +115,6 @@ class PackedQuant:
         rows = lambda a: jnp.moveaxis(a, -4, -2).reshape(*a.shape[:-4], a.shape[-3], a.shape[-2], T * C)  # noqa: E731
         side = lambda a: None if a is None else rows(a[..., None, :])  # [..., T, nb, 1, 32] -> [..., nb, 1, N]
         return BlockQuant(rows(codes).astype(jnp.int8), side(self.scale), side(self.offset), self.shape)
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return self.unpacked().dequantize(dtype)
 
 
 def _tiles(a, lead):
@@ -163,7 +168,7 @@ Q8_COLUMNS = 16
 
 
 @struct.dataclass
-class Q8Tiles:
+class Q8Tiles(_Relaid):
     """A BlockQuant's codes for the native kernel's int8-activation path (Engine(matmul="q8")):
     tiles of 16 columns, each a contiguous stream of 64-byte groups in which lane n holds four
     consecutive rows of column n, so that a group meets four int8 activations in one VNNI
@@ -180,14 +185,6 @@ class Q8Tiles:
     shape: tuple[int, ...] = struct.field(pytree_node=False)
     bits: int = struct.field(pytree_node=False, default=4)
     zero: int = struct.field(pytree_node=False, default=0)
-
-    @property
-    def dtype(self):
-        return jnp.float32
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.data, self.scale, self.offset)
 
     def unpacked(self) -> BlockQuant:
         """The same weight as a BlockQuant (one int8 code per weight, row-major)."""
@@ -206,9 +203,6 @@ class Q8Tiles:
             *lead, nb, r, T * Q8_COLUMNS)
         side = lambda a: None if a is None else rows(a, 1)  # noqa: E731
         return BlockQuant(rows(codes, K // nb).astype(jnp.int8), side(self.scale), side(self.offset), self.shape)
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return self.unpacked().dequantize(dtype)
 
 
 def pack_for_q8(w: BlockQuant):
