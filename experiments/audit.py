@@ -60,15 +60,18 @@ batches.jsonl keeps the wall time of every (batch, method) for the cost table.
 
 Full runs (JAX_COMPILATION_CACHE_DIR=... keeps compiled programs between sittings):
 
-    # calibrations on MT-Bench, never on the evaluated HumanEval problems
+    # calibrations on MT-Bench, never on the evaluated HumanEval problems (both files are in
+    # experiments/results/calibration_qwen_mtbench/; see calibration.md there)
     python experiments/calibrate_csd.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --dataset mtbench --num_prompts 40 --max_new_tokens 160 --cache_dir CACHE --output CAL/csd_qwen
     python experiments/calibrate_asd.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --dataset mtbench --num_prompts 40 --max_new_tokens 160 --cache_dir CACHE --output CAL/asd_qwen.json
-    # Qwen pair, all 164 HumanEval problems, six methods (repeat until it reports 984/984)
+    # Qwen pair, all 164 HumanEval problems, six methods, on the int8-activation path (about 2x the
+    # float32 path's speed on this CPU; exact there still equals target-only); repeat until 984/984
+    CAL=experiments/results/calibration_qwen_mtbench
     python experiments/audit.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
         --mtbench_questions 0 --humaneval_problems 164 --humaneval_max_new_tokens 512 --batch_size 8 \
-        --csd_memory CAL/csd_qwen --asd_calibration CAL/asd_qwen.json --speed_problems 20 \
+        --matmul q8 --csd_memory $CAL/csd_qwen --asd_calibration $CAL/asd_qwen.json --speed_problems 20 \
         --method exact --method fly --method fly:rule=reference,entropy=top3 --method asd --method csd \
         --output_dir experiments/results/audit_qwen_humaneval_full
 """

@@ -92,8 +92,9 @@ class Engine:
     llama.cpp does, and integer dot products; faster, above all for a verify pass's K + 1 rows,
     but its logits are llama.cpp-like, not the float32 model's) or "xla" (always XLA's dot).
     The "native" kernel's logits agree with XLA's to float32 rounding, and are the same bit for
-    bit from block codes or from their float32 dequantization. With "q8" cached attention runs
-    natively too (each query over its visible keys; `native.attention`), and every op of a
+    bit from block codes or from their float32 dequantization. Where the matmuls are native
+    ("auto" on a CPU, "native", "q8") cached attention is too (each query over its visible keys;
+    `native.attention`). With "q8" every op of a
     position is computed per row (int8 matmuls, attention, the norms' fixed-order sums, RoPE and
     the elementwise rest): a token gets the same logits in a verify pass of K + 1 positions as
     when decoded alone, so exact speculation on this path gives q8 target-only's tokens.

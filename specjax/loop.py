@@ -96,9 +96,10 @@ class Program:
     @functools.partial(jax.jit, static_argnames=("self",))
     def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state) -> Output:
         """The whole generation: prefill, then rounds until every row is done."""
-        # the q8 path also runs cached attention natively (its numerics are llama.cpp's already)
+        # where the matmuls are native, so is cached attention: each query over its visible keys
+        # only, in place in the cache (XLA's attends over the whole cache after copying the layer)
         with quant.head_chunks(self.head_chunk), quant.native_matmul(self.native_matmul), \
-                quant.native_attention(self.matmul == "q8"):
+                quant.native_attention(self.native_matmul):
             state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state)
             if self.drafter is None:
                 body = functools.partial(self.target_only_round, params)

@@ -265,6 +265,12 @@ def test_the_native_program_calls_the_kernel_and_the_xla_one_does_not(small_q8):
     assert "specjax_" not in hlo(False)
 
 
+@pytest.mark.parametrize("matmul, native", [("native", True), ("q8", True), ("xla", False)])
+def test_an_engine_with_native_matmuls_runs_the_native_attention_too(small_q4, matmul, native):
+    engine = specjax.Engine(small_q4, matmul=matmul, max_new_tokens=4, eos_ids=())
+    assert ("specjax_attention" in engine.lower([[5, 6, 7]]).as_text()) == native
+
+
 def _quantize(w, qtype):
     """float [D, F] -> BlockQuant of GGUF type `qtype` (blocks along D)."""
     import gguf
