@@ -73,7 +73,7 @@ def _row_sum(a):
     verify pass), so a position's norm differed in its last bits between the decode and the
     verify programs; the int8 activations of the q8 path turn such a bit into another code
     and exact speculation parted from target-only decoding. Adds of slices are exactly rounded
-    wherever they run, so every row gets the same bits whatever the batch, T or backend.
+    wherever they run, so every row gets the same bits whatever the batch or T.
     """
     D = a.shape[-1]
     width = 64 if D % 64 == 0 else D
