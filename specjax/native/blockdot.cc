@@ -45,9 +45,10 @@ constexpr int kLanes = 8;
 typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
 constexpr int64_t kCols = 32;  // columns per tile (the Python side asks for N % 32 == 0)
 constexpr int kVecs = kCols / kLanes;
-// rows sharing one pass over a tile's weights: their accumulators fill half the vector registers
+// rows sharing one pass over a tile's weights: with AVX-512 their accumulators take 20 of the 32
+// vector registers, so a verify pass of up to K + 1 = 10 rows expands each weight once
 #if defined(__AVX512F__)
-constexpr int64_t kRows = 8;
+constexpr int64_t kRows = 10;
 #else
 constexpr int64_t kRows = 2;
 #endif
@@ -197,6 +198,8 @@ void Rows(const float* x, float* y, const Weights& w, int64_t M, int64_t K, int6
   int64_t m = 0;
   for (; m + kRows <= M; m += kRows) Tile<kRows, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1);
   switch (M - m) {
+    case 9: Tile<9, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
+    case 8: Tile<8, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
     case 7: Tile<7, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
     case 6: Tile<6, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
     case 5: Tile<5, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1); break;
@@ -208,14 +211,17 @@ void Rows(const float* x, float* y, const Weights& w, int64_t M, int64_t K, int6
   }
 }
 
-// Tiles t0 .. t1 - 1 (adjacent columns), kChunk rows of weights at a time across all of them:
-// a tile's rows lie N bytes apart, too far for the hardware prefetcher, so a chunk's rows are
-// read across the whole group (contiguous bytes) before moving down. The partial sums wait in
-// y; every output is still one sum over k in order.
+// Tiles t0 .. t1 - 1 (adjacent columns). Row-major weights: kChunk rows at a time across all of
+// them, since a tile's rows lie N bytes apart, too far for the hardware prefetcher, so a chunk's
+// rows are read across the whole group (contiguous bytes) before moving down; the partial sums
+// wait in y, every output still one sum over k in order. Tile-major weights: each tile is one
+// contiguous stream, read whole (chunks there made the prefetcher lose the stream at every
+// chunk: 2.5x the time of a [576, 1536] product at one row, weights not in cache).
 template <Codes kCodes, bool kOffset>
 void Group(const float* x, float* y, const Weights& w, int64_t M, int64_t K, int64_t N, int64_t t0,
            int64_t t1) {
-  const int64_t chunk = kCodes == Codes::kDense ? kChunk : (kChunk + w.bs - 1) / w.bs * w.bs;
+  const bool tile_major = w.code_stride == kCols;
+  const int64_t chunk = tile_major ? K : kCodes == Codes::kDense ? kChunk : (kChunk + w.bs - 1) / w.bs * w.bs;
   for (int64_t k0 = 0; k0 < K; k0 += chunk) {
     const int64_t k1 = std::min(K, k0 + chunk);
     for (int64_t t = t0; t < t1; ++t) Rows<kCodes, kOffset>(x, y, w, M, K, N, t * kCols, k0, k1);
