@@ -120,81 +120,104 @@ struct Weights {
   int64_t code_tile = 0, side_tile = 0;      // elements between consecutive tiles
 };
 
+// Calls fn(k, wv) for rows k = k0 .. k1 - 1 of tile t, in order, wv the row's kCols weight values
+// (a code's value as BlockQuant.dequantize computes it; k0 is a multiple of the block size).
+template <Codes kCodes, bool kOffset, typename Fn>
+inline void ForEachRow(const Weights& w, int64_t t, int64_t k0, int64_t k1, Fn&& fn) {
+  const int64_t cs = w.code_stride, ss = w.side_stride;
+  if constexpr (kCodes == Codes::kDense) {
+    const float* d = w.dense + t * w.code_tile;
+    for (int64_t k = k0; k < k1; ++k) {
+      VecF wv[kVecs];
+#pragma GCC unroll 16
+      for (int v = 0; v < kVecs; ++v) wv[v] = Load<VecF>(d + k * cs + v * kLanes);
+      fn(k, wv);
+    }
+  } else {
+    const int64_t bs = w.bs;
+    const float* sc = w.scale + t * w.side_tile;
+    const float* of = kOffset ? w.offset + t * w.side_tile : nullptr;
+    for (int64_t kb = k0; kb < k1; kb += bs) {
+      VecF sv[kVecs], ov[kVecs];
+#pragma GCC unroll 16
+      for (int v = 0; v < kVecs; ++v) {
+        sv[v] = Load<VecF>(sc + (kb / bs) * ss + v * kLanes);
+        ov[v] = kOffset ? Load<VecF>(of + (kb / bs) * ss + v * kLanes) : VecF{};
+      }
+      auto value = [&](const VecF& q, int v) { return kOffset ? q * sv[v] + ov[v] : q * sv[v]; };
+      if constexpr (kCodes == Codes::kInt8) {
+        for (int64_t k = kb; k < kb + bs; ++k) {
+          VecF wv[kVecs];
+#pragma GCC unroll 16
+          for (int v = 0; v < kVecs; ++v) wv[v] = value(LoadCodes(w.codes + t * w.code_tile + k * cs + v * kLanes), v);
+          fn(k, wv);
+        }
+      } else {  // two rows per byte, in row order
+        for (int64_t k = kb; k < kb + bs; k += 2) {
+          VecF lo[kVecs], hi[kVecs];
+#pragma GCC unroll 16
+          for (int v = 0; v < kVecs; ++v) {
+            LoadNibbles<kCodes == Codes::kS4>(w.nibbles + t * w.code_tile + (k / 2) * cs + v * kLanes, &lo[v], &hi[v]);
+            lo[v] = value(lo[v], v);
+            hi[v] = value(hi[v], v);
+          }
+          fn(k, lo);
+          fn(k + 1, hi);
+        }
+      }
+    }
+  }
+}
+
 // Rows k0 .. k1 - 1 of one tile of kCols columns starting at n0, for rows m0 .. m0 + R - 1 of x;
 // the partial sums continue those in y (k0 == 0: start from 0). The accumulators stay in registers.
 template <int R, Codes kCodes, bool kOffset>
 inline void Tile(const float* x, float* y, const Weights& w, int64_t K, int64_t N, int64_t m0,
                  int64_t n0, int64_t k0, int64_t k1) {
   VecF acc[R][kVecs];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int v = 0; v < kVecs; ++v)
       acc[r][v] = k0 == 0 ? VecF{} : Load<VecF>(y + (m0 + r) * N + n0 + v * kLanes);
   const float* xr[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * K;
-  auto step = [&](int64_t k, const VecF (&wv)[kVecs]) {
-#pragma GCC unroll 8
+  ForEachRow<kCodes, kOffset>(w, n0 / kCols, k0, k1, [&](int64_t k, const VecF (&wv)[kVecs]) {
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const float xv = xr[r][k];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
       for (int v = 0; v < kVecs; ++v) acc[r][v] += xv * wv[v];
     }
-  };
-  const int64_t t = n0 / kCols, cs = w.code_stride, ss = w.side_stride;
-  if constexpr (kCodes == Codes::kDense) {
-    const float* d = w.dense + t * w.code_tile;
-    for (int64_t k = k0; k < k1; ++k) {
-      VecF wv[kVecs];
-#pragma GCC unroll 8
-      for (int v = 0; v < kVecs; ++v) wv[v] = Load<VecF>(d + k * cs + v * kLanes);
-      step(k, wv);
-    }
-  } else {
-    const int64_t bs = w.bs;
-    const float* sc = w.scale + t * w.side_tile;
-    const float* of = kOffset ? w.offset + t * w.side_tile : nullptr;
-    for (int64_t kb = k0; kb < k1; kb += bs) {  // k0 is a multiple of bs
-      VecF sv[kVecs], ov[kVecs];
-#pragma GCC unroll 8
-      for (int v = 0; v < kVecs; ++v) {
-        sv[v] = Load<VecF>(sc + (kb / bs) * ss + v * kLanes);
-        ov[v] = kOffset ? Load<VecF>(of + (kb / bs) * ss + v * kLanes) : VecF{};
-      }
-      // a code's value, as BlockQuant.dequantize computes it
-      auto value = [&](const VecF& q, int v) { return kOffset ? q * sv[v] + ov[v] : q * sv[v]; };
-      if constexpr (kCodes == Codes::kInt8) {
-        for (int64_t k = kb; k < kb + bs; ++k) {
-          VecF wv[kVecs];
-#pragma GCC unroll 8
-          for (int v = 0; v < kVecs; ++v) wv[v] = value(LoadCodes(w.codes + t * w.code_tile + k * cs + v * kLanes), v);
-          step(k, wv);
-        }
-      } else {  // two rows per byte, summed in row order
-        for (int64_t k = kb; k < kb + bs; k += 2) {
-          VecF lo[kVecs], hi[kVecs];
-#pragma GCC unroll 8
-          for (int v = 0; v < kVecs; ++v) {
-            LoadNibbles<kCodes == Codes::kS4>(w.nibbles + t * w.code_tile + (k / 2) * cs + v * kLanes, &lo[v], &hi[v]);
-            lo[v] = value(lo[v], v);
-            hi[v] = value(hi[v], v);
-          }
-          step(k, lo);
-          step(k + 1, hi);
-        }
-      }
-    }
-  }
-#pragma GCC unroll 8
+  });
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int v = 0; v < kVecs; ++v) std::memcpy(y + (m0 + r) * N + n0 + v * kLanes, &acc[r][v], sizeof(VecF));
 }
 
 template <Codes kCodes, bool kOffset>
 void Rows(const float* x, float* y, const Weights& w, int64_t M, int64_t K, int64_t N, int64_t n0,
           int64_t k0, int64_t k1) {
+  if constexpr (kCodes != Codes::kDense) {
+    if (M > kRows) {  // several passes (a prefill, a batch's verify): expand the weights once
+      thread_local std::unique_ptr<float[]> buf;
+      thread_local int64_t size = 0;
+      if (size < K * kCols) buf.reset(new float[size = K * kCols]);
+      float* b = buf.get();
+      ForEachRow<kCodes, kOffset>(w, n0 / kCols, k0, k1, [&](int64_t k, const VecF (&wv)[kVecs]) {
+#pragma GCC unroll 16
+        for (int v = 0; v < kVecs; ++v) std::memcpy(b + k * kCols + v * kLanes, &wv[v], sizeof(VecF));
+      });
+      Weights d;  // the tile's values as a dense tile, row k at b + k * kCols
+      d.dense = b;
+      d.code_stride = kCols;
+      d.code_tile = 0;
+      Rows<Codes::kDense, false>(x, y, d, M, K, N, n0, k0, k1);
+      return;
+    }
+  }
   int64_t m = 0;
   for (; m + kRows <= M; m += kRows) Tile<kRows, kCodes, kOffset>(x, y, w, K, N, m, n0, k0, k1);
   switch (M - m) {
