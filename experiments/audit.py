@@ -486,8 +486,8 @@ def check_settings(out_dir: pathlib.Path) -> None:
     path, now = out_dir / "run.json", run_settings()
     if path.exists():
         before = json.loads(path.read_text())
-        changed = [f"--{k} {before.get(k, _SETTING_DEFAULTS.get(k))!r} -> {v!r}" for k, v in now.items()
-                   if before.get(k, _SETTING_DEFAULTS.get(k)) != v]
+        was = {k: before.get(k, _SETTING_DEFAULTS.get(k)) for k in now}
+        changed = [f"--{k} {was[k]!r} -> {v!r}" for k, v in now.items() if was[k] != v]
         if changed:
             raise app.UsageError(f"{out_dir} holds an audit run with other settings ({'; '.join(changed)}); "
                                  "rerun with the same flags to continue it, or use another --output_dir")
