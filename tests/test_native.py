@@ -213,6 +213,21 @@ def test_nibble_kernel_gives_the_int8_kernels_bits(M, bs, offset, signed):
     assert np.all(np.abs(y - reference(x, w)) <= bound(x, w))
 
 
+@pytest.mark.parametrize("M", [9, 10, 11, 21, 128])
+def test_packed_rows_do_not_depend_on_how_many_share_a_pass(M):
+    """Up to 10 rows share one pass over a tile; above that the tile's values are expanded once
+    into a buffer that every group of rows reads: a row's bits are those of a one-row product,
+    at a group's edge as inside it, from nibbles as from their int8 codes."""
+    rng = np.random.default_rng(M)
+    w = block_weight(rng, 576, 1536, 32)
+    p = quant.pack_nibbles(w)
+    x = jnp.asarray(rng.standard_normal((M, 576)).astype(np.float32))
+    full = np.asarray(native.dot(x, p))
+    np.testing.assert_array_equal(full, np.asarray(native.dot(x, w)))
+    for i in sorted({0, 8, min(9, M - 1), min(10, M - 1), M - 1}):
+        np.testing.assert_array_equal(full[i], np.asarray(native.dot(x[i:i + 1], p))[0])
+
+
 # --- in the engine ---------------------------------------------------------------
 
 # MLP width and heads x head_dim multiples of the kernel's tile, so that those matmuls run natively
