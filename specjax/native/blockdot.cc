@@ -7,7 +7,8 @@
 // in the high one; unsigned 0..15 or signed -8..7), possibly one layer of a stack, read in place.
 // XLA:CPU cannot fuse a dequantization into its dot, so it writes a float32 copy of every weight
 // and reads it again; here each weight is expanded in registers right before its multiply-adds,
-// and is read once per group of up to kRows rows.
+// once per group of up to kRows rows (a decode step, a verify pass), or once into a small
+// float32 buffer that every group reads when there are more rows (a prefill).
 //
 // Numerics: every output is one float32 sum over k = 0 .. K-1 in order, a multiply-add per
 // term, in both the block and the float kernel, and a code's value (code * scale + offset) is
