@@ -7,8 +7,8 @@ the int8-activation path (`Engine(matmul="q8")`: activations rounded to int8 per
 integer dot products). Each product runs 30 times inside one compiled scan (one layer of the
 stack per step, the weights read where they lie, as the engine does), so JAX's dispatch cost
 is not in the figure. Then the target's whole forward (`llama.forward_cached`) at T = 1 and
-T = K + 1 positions with a cache of --cache_len, as the engine runs it (the q8 path with its
-native attention). Rounds alternate between the paths; medians.
+T = K + 1 positions with a cache of --cache_len, as the engine runs it (native attention on
+both paths). Rounds alternate between the paths; medians.
 
     python experiments/bench_matmul.py                        # SmolLM2-135M, K = 8
     python experiments/bench_matmul.py --model qwen2.5-coder-1.5b-instruct --reps 3
@@ -97,14 +97,12 @@ def main(argv):
                 p: head_call(params["head_tiles"], x) for p, params in paths.items()}
     cache = llama.init_cache(c, 1, _CACHE_LEN.value, jnp.float32)._replace(
         lengths=jnp.array([_CONTEXT.value], jnp.int32))
-    def forward(attention_native: bool):
-        def run(params, tokens, cache):  # the settings apply where the function is traced
-            with quant.native_matmul(True), quant.native_attention(attention_native):
-                return llama.forward_cached(c, params, tokens, cache)[0]
-        return jax.jit(run)
+    def run(params, tokens, cache):  # the settings apply where the function is traced
+        with quant.native_matmul(True), quant.native_attention(True):
+            return llama.forward_cached(c, params, tokens, cache)[0]
 
-    # as the engine runs them: the q8 path with its native attention, the float32 path with XLA's
-    steps = {p: forward(p == names[1]) for p in paths}
+    # as the engine runs them: native matmuls and native attention on both paths
+    steps = {p: jax.jit(run) for p in paths}
     for T in rows_list:
         tokens = jnp.full((1, T), 5, jnp.int32)
         cases[(f"whole forward, T = {T}", T)] = {
