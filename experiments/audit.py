@@ -27,6 +27,12 @@ completion is appended at once (flushed and fsynced) to OUTPUT_DIR/completions.j
     (mismatches a loose rule accepted in this row), differs_from_target, first_diff (first
     token that differs from target-only's output; null if none)
 
+--reuse_from DIR copies what an earlier run in DIR (same settings, checked against its run.json)
+already decoded: completions, their sandbox verdicts and log-probability scores, and the batch
+times of batches it copies whole; reused.jsonl lists every copied (task, method) and the table
+says how many. Since a batch's outputs depend only on that batch, a copy is what this run would
+have decoded. Batch-1 timings are never copied.
+
 A rerun with the same flags skips every (task, method) already there: a killed run loses at
 most the batch in flight (a cut-off last line is dropped). Settings that change outputs
 (model, draft, k, batch size, bucket, token limits, calibration files, matmul) are kept in
@@ -130,6 +136,10 @@ _MATMUL = flags.DEFINE_enum("matmul", "auto", ["auto", "native", "q8", "xla"],
                             "float32 model's logits; q8 rounds activations to int8 as llama.cpp does (about 2x "
                             "faster on CPUs with AVX512-VNNI; its exact speculation still equals its target-only).")
 _SEED = flags.DEFINE_integer("bootstrap_seed", 0, "Seed of the bootstrap intervals.")
+_REUSE = flags.DEFINE_string("reuse_from", None, "Output directory of an earlier audit with the same settings "
+                             "(its run.json must agree): the (task, method) completions it holds are copied "
+                             "instead of decoded again, e.g. a sweep's target-only and default points from a "
+                             "full run. Batch-1 speed is never copied (it must be interleaved in one run).")
 C.define_calibration_flags()
 for _module in C.FLAG_MODULES:  # --help lists the shared flags
     flags.adopt_module_key_flags(_module)
@@ -482,6 +492,11 @@ def run_settings() -> dict:
 _SETTING_DEFAULTS = {"matmul": "auto"}
 
 
+def _settings_changed(before: dict, now: dict) -> list[str]:
+    return [f"--{k} {before.get(k, _SETTING_DEFAULTS.get(k))!r} -> {v!r}" for k, v in now.items()
+            if before.get(k, _SETTING_DEFAULTS.get(k)) != v]
+
+
 def check_settings(out_dir: pathlib.Path) -> None:
     path, now = out_dir / "run.json", run_settings()
     if path.exists():
@@ -493,6 +508,65 @@ def check_settings(out_dir: pathlib.Path) -> None:
                                  "rerun with the same flags to continue it, or use another --output_dir")
     else:
         path.write_text(json.dumps(now, indent=1) + "\n")
+
+
+def check_reuse_source(source: pathlib.Path, out_dir: pathlib.Path) -> None:
+    """--reuse_from must name another finished-or-not audit directory recorded with this run's settings."""
+    if source.resolve() == out_dir.resolve():
+        raise app.UsageError(f"--reuse_from {source}: that is --output_dir itself")
+    if not (source / "run.json").is_file() or not (source / "completions.jsonl").is_file():
+        raise app.UsageError(f"--reuse_from {source}: not an audit output directory (no run.json and "
+                             "completions.jsonl there)")
+    changed = _settings_changed(json.loads((source / "run.json").read_text()), run_settings())
+    if changed:
+        raise app.UsageError(f"--reuse_from {source}: recorded with other settings ({'; '.join(changed)}); "
+                             "its completions are not what this run would decode")
+
+
+def reuse(source: pathlib.Path, parts: list[Part], methods: list[Method], books) -> int:
+    """Copies the source run's completions of this run's (task, method) pairs; returns how many.
+
+    A pair is copied with target-only's line for its task (first_diff refers to it), so a task
+    whose target-only this run already decoded differently is left alone (it cannot happen with
+    the same settings; checked rather than assumed)."""
+    src = {"completions": J.Ledger(source / "completions.jsonl", lambda r: (r["task_id"], r["method"])),
+           "results": J.Ledger(source / "humaneval_results.jsonl", lambda r: (r["task_id"], r["method"]),
+                               unique=False),
+           "logprob": J.Ledger(source / "mtbench_logprob.jsonl", lambda r: (r["task_id"], r["method"])),
+           "batches": J.Ledger(source / "batches.jsonl", lambda r: (r["part"], r["batch"], r["method"]),
+                               unique=False)}
+    ours, copied = books["completions"], 0
+    for part in parts:
+        for bi, batch in enumerate(C.chunks(part.tasks, _BATCH.value)):
+            taken = {m.spec: 0 for m in methods}  # rows of this batch copied now, per method
+            for t in batch:
+                ref = src["completions"].get((t.task_id, REFERENCE))
+                mine = ours.get((t.task_id, REFERENCE))
+                if ref is None or (mine is not None and mine["tokens"] != ref["tokens"]):
+                    continue
+                for m in methods:  # target-only first, so a copied line's reference is there
+                    key = (t.task_id, m.spec)
+                    line = src["completions"].get(key)
+                    if key in ours or line is None:
+                        continue
+                    if part.name == "humaneval":
+                        verdict = src["results"].get(key)
+                        if verdict is None:  # the source was killed between its two writes: decode it here
+                            continue
+                        books["results"].append(verdict)
+                    if key in src["logprob"]:
+                        books["logprob"].append(src["logprob"].get(key))
+                    ours.append(line)
+                    books["reused"].append({"task_id": t.task_id, "method": m.spec, "source": str(source)})
+                    taken[m.spec] += 1
+            for m in methods:  # a batch's time only where this run took the whole batch from the source
+                key = (part.name, bi, m.spec)
+                if taken[m.spec] == len(batch) and key in src["batches"] and key not in books["batches"]:
+                    books["batches"].append(src["batches"].get(key))
+            copied += sum(taken.values())
+    for b in src.values():
+        b.close()
+    return copied
 
 
 def main(argv):
@@ -521,13 +595,16 @@ def main(argv):
     out_dir = pathlib.Path(_OUT.value)
     out_dir.mkdir(parents=True, exist_ok=True)
     check_settings(out_dir)
+    if _REUSE.value:
+        check_reuse_source(pathlib.Path(_REUSE.value), out_dir)
     books = {"completions": J.Ledger(out_dir / "completions.jsonl", lambda r: (r["task_id"], r["method"])),
              "results": J.Ledger(out_dir / "humaneval_results.jsonl", lambda r: (r["task_id"], r["method"]),
                                  unique=False),  # a line may be rewritten after a kill between the two writes
              "logprob": J.Ledger(out_dir / "mtbench_logprob.jsonl", lambda r: (r["task_id"], r["method"])),
              "speed": J.Ledger(out_dir / "speed.jsonl", lambda r: (r["part"], r["task_id"], r["method"])),
              "batches": J.Ledger(out_dir / "batches.jsonl", lambda r: (r["part"], r["batch"], r["method"]),
-                                 unique=False)}
+                                 unique=False),
+             "reused": J.Ledger(out_dir / "reused.jsonl", lambda r: (r["task_id"], r["method"]))}
     if books["completions"].dropped_tail:
         C.log(f"completions.jsonl ended in a cut-off line ({len(books['completions'].dropped_tail)} bytes): "
               "dropped, its completion is decoded again")
@@ -549,6 +626,9 @@ def main(argv):
                           _HE_NEW.value))
     methods = [Method(s, target, {p.name: p.max_new_tokens for p in parts}) for s in [REFERENCE, *specs]]
     keys = [(t.task_id, m.spec) for p in parts for t in p.tasks for m in methods]
+    if _REUSE.value:
+        n = reuse(pathlib.Path(_REUSE.value), parts, methods, books)
+        C.log(f"copied {n} completions from {_REUSE.value}")
     progress = Progress(len(keys), sum(k in books["completions"] for k in keys))
     C.log(f"{progress.done}/{progress.total} completions already in {out_dir / 'completions.jsonl'}; "
           f"{len(methods)} methods, batch {_BATCH.value}")
@@ -568,6 +648,12 @@ def main(argv):
     summaries = {p.name: summarize(p, methods, books, _SPEED_N.value) for p in parts}
     wall = time.perf_counter() - start
     table = markdown(parts, summaries, wall)
+    copied = [k for k in keys if k in books["reused"]]
+    if copied:
+        sources = sorted({books["reused"].get(k)["source"] for k in copied})
+        table += (f"\n{len(copied)} of the {len(keys)} completions (and the batch times of the batches taken "
+                  f"whole) were copied from {', '.join(sources)}, a run with the same settings; reused.jsonl "
+                  "lists them.\n")
     print(table)
     C.write_text(out_dir / "audit.md", table)
     flat = {m.spec: {f"{p.name}_{k}": v for p in parts for k, v in summaries[p.name][m.spec].items()}

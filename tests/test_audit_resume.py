@@ -60,9 +60,16 @@ def by_key(rows, *names):
     return dict(zip(keys, rows))
 
 
-def test_a_killed_audit_resumes_to_the_uninterrupted_result(env, tmp_path):
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    finish(audit(whole, env))  # also fills the compilation cache, so the next run's pace is steady
+@pytest.fixture(scope="module")
+def whole(env, tmp_path_factory):
+    """An uninterrupted run (it also fills the compilation cache, so later runs keep a steady pace)."""
+    out = tmp_path_factory.mktemp("whole")
+    finish(audit(out, env))
+    return out
+
+
+def test_a_killed_audit_resumes_to_the_uninterrupted_result(env, whole, tmp_path):
+    resumed = tmp_path / "resumed"
     want = lines(whole / "completions.jsonl")
     assert all(list(r) == KEYS for r in want)
     assert {(r["task_id"], r["method"]) for r in want} == {(t, m) for t in TASKS for m in METHODS}
@@ -104,3 +111,30 @@ def test_a_killed_audit_resumes_to_the_uninterrupted_result(env, tmp_path):
     (resumed / "run.json").write_text(json.dumps(settings))  # as recorded before --matmul existed: auto
     out, err = finish(audit(resumed, env, "--batch_size", "3", "--matmul", "q8"), ok=False)  # other settings
     assert "other settings (--batch_size 2 -> 3; --matmul 'auto' -> 'q8')" in err and "Traceback" not in err
+
+
+def test_a_run_copies_what_an_earlier_run_with_the_same_settings_decoded(env, whole, tmp_path):
+    part, grown = tmp_path / "part", tmp_path / "grown"
+    finish(audit(part, env, "--humaneval_problems", "2"))  # MT-Bench and the first HumanEval batch
+    first = by_key(lines(part / "completions.jsonl"), "task_id", "method")
+    assert len(first) == 4 * len(METHODS)
+
+    out, err = finish(audit(grown, env, "--reuse_from", str(part)))
+    assert f"copied {len(first)} completions from {part}" in err
+    assert "HumanEval batch 1/" not in err and "HumanEval batch 2/2" in err  # only the new batch decoded
+    got = by_key(lines(grown / "completions.jsonl"), "task_id", "method")
+    assert got == by_key(lines(whole / "completions.jsonl"), "task_id", "method")
+    assert set(by_key(lines(grown / "reused.jsonl"), "task_id", "method")) == set(first)
+    verdicts = by_key(lines(grown / "humaneval_results.jsonl"), "task_id", "method")
+    assert set(verdicts) == {k for k in got if k[0][0] == "H"}
+    assert by_key(lines(grown / "mtbench_logprob.jsonl"), "task_id", "method") == \
+        by_key(lines(part / "mtbench_logprob.jsonl"), "task_id", "method")  # copied, not scored again
+    times = by_key(lines(grown / "batches.jsonl"), "part", "batch", "method")
+    assert {k: v for k, v in times.items() if k[:2] != ("humaneval", 1)} == \
+        by_key(lines(part / "batches.jsonl"), "part", "batch", "method")
+    assert f"{len(first)} of the {len(got)} completions" in (grown / "audit.md").read_text()
+
+    out, err = finish(audit(tmp_path / "other", env, "--reuse_from", str(part), "--k", "3"), ok=False)
+    assert "recorded with other settings (--k 2 -> 3)" in err and "Traceback" not in err
+    out, err = finish(audit(tmp_path / "bad", env, "--reuse_from", str(tmp_path / "none")), ok=False)
+    assert "not an audit output directory" in err
