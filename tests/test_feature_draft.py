@@ -1,6 +1,7 @@
 """The feature draft (specjax.models.feature_draft) and its drafter in the engine's loop."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,24 +32,39 @@ def make_draft(target, seed=1, scale=1.0, ids=None, dtype=jnp.float32):
 def reference_drafts(target, draft, seq, L, K):
     """The K greedy drafts after the pending token seq[L], recomputed from scratch: the target's
     features over seq[:L] (one full forward), then the draft layer over every position without
-    a cache, one whole forward per chained step."""
-    _, feats, _ = llama.forward_features(target.config, target.params, jnp.asarray(seq[None, :L]))
-    toks, fs = list(seq[: L + 1]), list(np.asarray(feats[0]))
+    a cache, one whole forward per chained step. Each forward runs over the whole padded row
+    (attention is causal: what follows a position cannot change it), so each compiles once."""
+    S = len(seq)
+    toks = np.array(seq)
+    toks[L + 1:] = 0  # known: the prompt, the accepted tokens and the pending one
+    fs = np.array(_target_features(target.config, target.params, jnp.asarray(toks[None]))[0])
     out = []
-    for _ in range(K):
-        P = len(fs)
-        emb = llama.embed_tokens(target.params["embed"], jnp.asarray([toks[1: P + 1]]))
-        f_hat, _ = FD.features(draft.config, draft.params, emb, jnp.asarray([fs]),
-                               jnp.arange(P, dtype=jnp.int32)[None])
-        logits = FD.logits(draft.config, draft.params, f_hat[:, -1])
-        d = int(draft.vocab_ids[int(jnp.argmax(logits[0]))])
+    for P in range(L, L + K):  # positions 0..P-1 have features; the draft gives position P's
+        d, f = _draft_step(draft.config, draft.params, target.params["embed"], jnp.asarray(toks),
+                           jnp.asarray(fs), P)
+        d = int(draft.vocab_ids[int(d)])
         out.append(d)
-        toks.append(d)
-        fs.append(np.asarray(f_hat[0, -1]))
+        if P + 1 < S:
+            toks[P + 1] = d
+        fs[P] = np.asarray(f)
     return out
 
 
-# (3, False) is two minutes on 2 cores; (3, True) checks the same cache through the rows whose lookup misses
+@functools.partial(jax.jit, static_argnums=0)
+def _target_features(config, params, tokens_BT):
+    return llama.forward_features(config, params, tokens_BT)[1]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _draft_step(config, params, embed, toks_S, fs_SD, P):
+    S = toks_S.shape[0]
+    emb = llama.embed_tokens(embed, toks_S[None, 1:])  # x_1 .. x_{S-1} beside f_0 .. f_{S-2}
+    f_hat, _ = FD.features(config, params, emb, fs_SD[None, :-1], jnp.arange(S - 1, dtype=jnp.int32)[None])
+    f = f_hat[0, P - 1]
+    return jnp.argmax(FD.logits(config, params, f[None])[0]), f
+
+
+# (3, True) checks the same cache through the rows whose lookup misses; the other two add ~15 s each (-m heavy)
 @pytest.mark.parametrize("K, lookup_first", [pytest.param(1, False, marks=pytest.mark.heavy),
                                              pytest.param(3, False, marks=pytest.mark.heavy), (3, True)])
 def test_drafter_state_matches_a_from_scratch_reference(target, K, lookup_first):
