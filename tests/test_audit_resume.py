@@ -138,3 +138,18 @@ def test_a_run_copies_what_an_earlier_run_with_the_same_settings_decoded(env, wh
     assert "recorded with other settings (--k 2 -> 3)" in err and "Traceback" not in err
     out, err = finish(audit(tmp_path / "bad", env, "--reuse_from", str(tmp_path / "none")), ok=False)
     assert "not an audit output directory" in err
+
+
+def test_at_batch_one_the_quality_pass_is_the_interleaved_timing(env, tmp_path):
+    out_dir = tmp_path / "b1"
+    finish(audit(out_dir, env, "--batch_size", "1", "--humaneval_problems", "0"))
+    timed = by_key(lines(out_dir / "speed.jsonl"), "part", "task_id", "method")
+    batches = by_key(lines(out_dir / "batches.jsonl"), "part", "batch", "method")
+    assert set(timed) == {("mtbench", t, m) for t in TASKS[:2] for m in METHODS}
+    for (part, task, method), r in timed.items():
+        b = batches[(part, int(task.split("/")[1]), method)]
+        assert (r["seconds"], r["tokens"]) == (b["generate_seconds"], b["tokens"])
+    table = (out_dir / "audit.md").read_text()
+    assert "speed over the first 2 at batch 1" in table
+    row = next(x for x in table.splitlines() if x.startswith("| exact |"))
+    assert float(row.split("|")[-3]) > 0  # a speedup against target-only is reported
