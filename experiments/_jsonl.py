@@ -15,7 +15,8 @@ class Ledger:
     A key seen twice in the file is an error (the file was edited or concatenated), since
     a rerun then could not tell which line holds."""
 
-    def __init__(self, path: str | os.PathLike, key: Callable[[dict], Hashable], *, unique: bool = True):
+    def __init__(self, path: str | os.PathLike, key: Callable[[dict], Hashable], *, unique: bool = True,
+                 read_only: bool = False):
         self.path, self.key = pathlib.Path(path), key
         self.lines: dict[Hashable, dict] = {}
         self.dropped_tail = b""
@@ -24,6 +25,7 @@ class Ledger:
             end = data.rfind(b"\n") + 1  # everything after the last newline is a cut-off write
             if end < len(data):
                 self.dropped_tail = data[end:]
+            if end < len(data) and not read_only:  # read_only: another run's file, left as it is
                 with open(self.path, "r+b") as f:
                     f.truncate(end)
                     f.flush()

@@ -517,6 +517,20 @@ def check_settings(out_dir: pathlib.Path) -> None:
         path.write_text(json.dumps(now, indent=1) + "\n")
 
 
+def ledgers(out_dir: pathlib.Path, read_only: bool = False) -> dict[str, J.Ledger]:
+    """The run's JSON-lines files, keyed; read_only leaves a cut-off last line in place (another run's)."""
+    by_task = lambda r: (r["task_id"], r["method"])  # noqa: E731
+    by_batch = lambda r: (r["part"], r["batch"], r["method"])  # noqa: E731
+    return {"completions": J.Ledger(out_dir / "completions.jsonl", by_task, read_only=read_only),
+            # a verdict may be rewritten after a kill between its write and its completion's
+            "results": J.Ledger(out_dir / "humaneval_results.jsonl", by_task, unique=False, read_only=read_only),
+            "logprob": J.Ledger(out_dir / "mtbench_logprob.jsonl", by_task, read_only=read_only),
+            "speed": J.Ledger(out_dir / "speed.jsonl", lambda r: (r["part"], r["task_id"], r["method"]),
+                              read_only=read_only),
+            "batches": J.Ledger(out_dir / "batches.jsonl", by_batch, unique=False, read_only=read_only),
+            "reused": J.Ledger(out_dir / "reused.jsonl", by_task, read_only=read_only)}
+
+
 def check_reuse_source(source: pathlib.Path, out_dir: pathlib.Path) -> None:
     """--reuse_from must name another finished-or-not audit directory recorded with this run's settings."""
     if source.resolve() == out_dir.resolve():
@@ -536,12 +550,7 @@ def reuse(source: pathlib.Path, parts: list[Part], methods: list[Method], books)
     A pair is copied with target-only's line for its task (first_diff refers to it), so a task
     whose target-only this run already decoded differently is left alone (it cannot happen with
     the same settings; checked rather than assumed)."""
-    src = {"completions": J.Ledger(source / "completions.jsonl", lambda r: (r["task_id"], r["method"])),
-           "results": J.Ledger(source / "humaneval_results.jsonl", lambda r: (r["task_id"], r["method"]),
-                               unique=False),
-           "logprob": J.Ledger(source / "mtbench_logprob.jsonl", lambda r: (r["task_id"], r["method"])),
-           "batches": J.Ledger(source / "batches.jsonl", lambda r: (r["part"], r["batch"], r["method"]),
-                               unique=False)}
+    src = ledgers(source, read_only=True)
     ours, copied = books["completions"], 0
     for part in parts:
         for bi, batch in enumerate(C.chunks(part.tasks, _BATCH.value)):
@@ -554,7 +563,7 @@ def reuse(source: pathlib.Path, parts: list[Part], methods: list[Method], books)
                 for m in methods:  # target-only first, so a copied line's reference is there
                     key = (t.task_id, m.spec)
                     line = src["completions"].get(key)
-                    if key in ours or line is None:
+                    if key in ours or line is None or (m.spec != REFERENCE and (t.task_id, REFERENCE) not in ours):
                         continue
                     if part.name == "humaneval":
                         verdict = src["results"].get(key)
@@ -604,14 +613,7 @@ def main(argv):
     check_settings(out_dir)
     if _REUSE.value:
         check_reuse_source(pathlib.Path(_REUSE.value), out_dir)
-    books = {"completions": J.Ledger(out_dir / "completions.jsonl", lambda r: (r["task_id"], r["method"])),
-             "results": J.Ledger(out_dir / "humaneval_results.jsonl", lambda r: (r["task_id"], r["method"]),
-                                 unique=False),  # a line may be rewritten after a kill between the two writes
-             "logprob": J.Ledger(out_dir / "mtbench_logprob.jsonl", lambda r: (r["task_id"], r["method"])),
-             "speed": J.Ledger(out_dir / "speed.jsonl", lambda r: (r["part"], r["task_id"], r["method"])),
-             "batches": J.Ledger(out_dir / "batches.jsonl", lambda r: (r["part"], r["batch"], r["method"]),
-                                 unique=False),
-             "reused": J.Ledger(out_dir / "reused.jsonl", lambda r: (r["task_id"], r["method"]))}
+    books = ledgers(out_dir)
     if books["completions"].dropped_tail:
         C.log(f"completions.jsonl ended in a cut-off line ({len(books['completions'].dropped_tail)} bytes): "
               "dropped, its completion is decoded again")

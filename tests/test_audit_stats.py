@@ -98,6 +98,8 @@ def test_ledger_drops_a_cut_off_last_line_and_refuses_edited_files(tmp_path):
     book.close()
     whole = path.read_bytes()
     path.write_bytes(whole + b'{"id": 3, "v"')  # a write cut off by a kill
+    other = J.Ledger(path, lambda r: r["id"], read_only=True)  # another run's file, read by --reuse_from
+    assert sorted(other.lines) == [1, 2] and path.read_bytes() == whole + b'{"id": 3, "v"'
     again = J.Ledger(path, lambda r: r["id"])
     assert sorted(again.lines) == [1, 2] and again.dropped_tail == b'{"id": 3, "v"'
     assert path.read_bytes() == whole  # the tail is gone from the file too
