@@ -64,7 +64,7 @@ def _draft_step(config, params, embed, toks_S, fs_SD, P):
     return jnp.argmax(FD.logits(config, params, f[None])[0]), f
 
 
-# (3, True) checks the same cache through the rows whose lookup misses; the other two add ~15 s each (-m heavy)
+# (3, True) checks the same cache through the rows whose lookup misses; the other two add ~30 s each (-m heavy)
 @pytest.mark.parametrize("K, lookup_first", [pytest.param(1, False, marks=pytest.mark.heavy),
                                              pytest.param(3, False, marks=pytest.mark.heavy), (3, True)])
 def test_drafter_state_matches_a_from_scratch_reference(target, K, lookup_first):
