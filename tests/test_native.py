@@ -534,6 +534,32 @@ def test_the_q8_engine_packs_for_the_int8_path_and_stays_close_to_float(small_q4
     assert "specjax_q8dot" in text
 
 
+def test_engines_of_one_model_share_its_packed_weights_until_the_model_goes(small_q4):
+    """An audit or benchmark builds one engine per method: each must not hold its own packed copy
+    of the model (13 methods of a 1.5B + 0.5B pair ran out of memory); the copy goes with the model."""
+    import gc
+
+    from specjax import engine as engine_module
+
+    before = len(engine_module._PACKED)
+    model = small_q4.with_params(jax.tree.map(lambda x: x, small_q4.params))  # its own weight objects
+    draft = random_model(dataclasses.replace(SMALL, num_layers=1), seed=3)
+    a = specjax.Engine(model, matmul="q8", max_new_tokens=4, eos_ids=())
+    b = specjax.Engine(model, draft=draft, method="fly", k=2, matmul="q8", max_new_tokens=4, eos_ids=())
+    native_engine = specjax.Engine(model, matmul="native", max_new_tokens=4, eos_ids=())
+    for name in ("w_up", "wq"):
+        assert a.params.target["layers"][name] is b.params.target["layers"][name]
+        assert isinstance(native_engine.params.target["layers"][name], quant.PackedQuant)  # not q8's tiles
+    assert a.params.target["head_tiles"] is b.params.target["head_tiles"]
+    assert len(engine_module._PACKED) > before
+    expected = a.generate(PROMPTS).tokens
+    del a, b, native_engine, model
+    gc.collect()
+    assert len(engine_module._PACKED) == before
+    # packed again from the same weights, the tokens are the same
+    assert specjax.Engine(small_q4, matmul="q8", max_new_tokens=4, eos_ids=()).generate(PROMPTS).tokens == expected
+
+
 @pytest.mark.parametrize("draft, method", [("pld", "exact"), ("model", "exact"), ("pld", "fly")])
 def test_q8_speculation_runs_and_exact_keeps_only_target_tokens(small_q4, draft, method):
     """Exact speculation on the q8 path accepts no loose token and, on this small model, gives q8
