@@ -459,7 +459,8 @@ def markdown(parts: list[Part], summaries: dict, wall: float) -> str:
                     "the target would say, not that a reader would find them worse."]
         out += ["", f"Cost ({part.title}): wall seconds per 100 prompts, generation plus sandbox, at batch "
                 f"{_BATCH.value} (compilation apart) against batch-1 generation in the speed pass:", "",
-                "| method | batch " + str(_BATCH.value) + " s/100 | batch 1 s/100 | compile s |", "|---|---|---|---|"]
+                f"| method | batch {_BATCH.value}: generation + sandbox s/100 | batch 1: generation s/100 | compile s |",
+                "|---|---|---|---|"]
         for s, r in rows.items():
             out.append(f"| {s} | {_f(r.get('audit_seconds_per_100'), 0)} | {_f(r.get('batch1_seconds_per_100'), 0)} "
                        f"| {_f(r.get('compile_seconds'), 0)} |")
@@ -681,7 +682,9 @@ def main(argv):
     C.log(f"wrote {out_dir}/audit.md, audit.csv, audit.json" + ("" if finished else " (unfinished: rerun)"))
 
 def plot_front(rows: dict, path: pathlib.Path) -> None:
-    """pass@1 against speedup over target-only (speed pass), every method labelled, the front drawn."""
+    """pass@1 against speedup over target-only (speed pass), one marker per rule, every point
+    numbered and named in a key beside the plot (a sweep's points sit on top of each other), the
+    front drawn."""
     points = {s: (r["speedup_vs_target_only"], r["pass_at_1"]) for s, r in rows.items()
               if r.get("speedup_vs_target_only") and r.get("pass_at_1") is not None}
     if len(points) < 2:
@@ -691,16 +694,25 @@ def plot_front(rows: dict, path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s, (x, y) in points.items():
-        ax.scatter(x, y, color="C1" if s == REFERENCE else "C0")
-        ax.annotate(s, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    markers = {"fly": "o", "asd": "s", "csd": "D", "exact": "^", "greedy": "^"}
+    rules = {}
+    key = []
+    for i, (s, (x, y)) in enumerate(points.items(), 1):
+        rule = "target-only" if s == REFERENCE else s.split(":")[0]
+        style = dict(marker="*", s=120, color="black") if s == REFERENCE else dict(
+            marker=markers.get(rule, "v"), color=f"C{list(markers).index(rule) if rule in markers else 5}")
+        ax.scatter(x, y, label=None if rule in rules else rule, alpha=0.8, **style)
+        rules[rule] = True
+        ax.annotate(str(i), (x, y), fontsize=7, xytext=(4, 2 + 7 * (i % 3)), textcoords="offset points")
+        key.append(f"{i:>2}  {s}")
     front = C.pareto(points.values(), minimize_x=False)
-    ax.plot(*zip(*front), color="C2", lw=1, marker="o", ms=10, mfc="none", label="front (faster and at least as good)")
+    ax.plot(*zip(*front), color="C2", lw=1, marker="o", ms=12, mfc="none", label="front (faster and at least as good)")
     ax.set_xlabel("speedup vs target-only (batch 1)")
     ax.set_ylabel("HumanEval pass@1")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    ax.legend(fontsize=8, loc="lower left")
+    fig.text(0.73, 0.95, "\n".join(key), fontsize=7, family="monospace", va="top")
+    fig.subplots_adjust(left=0.08, right=0.71, bottom=0.12, top=0.95)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
