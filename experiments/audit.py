@@ -696,14 +696,13 @@ def plot_front(rows: dict, path: pathlib.Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4.8))
     markers = {"fly": "o", "asd": "s", "csd": "D", "exact": "^", "greedy": "^"}
-    rules = {}
-    key = []
+    rules, key = set(), []
     for i, (s, (x, y)) in enumerate(points.items(), 1):
         rule = "target-only" if s == REFERENCE else s.split(":")[0]
         style = dict(marker="*", s=120, color="black") if s == REFERENCE else dict(
             marker=markers.get(rule, "v"), color=f"C{list(markers).index(rule) if rule in markers else 5}")
         ax.scatter(x, y, label=None if rule in rules else rule, alpha=0.8, **style)
-        rules[rule] = True
+        rules.add(rule)
         ax.annotate(str(i), (x, y), fontsize=7, xytext=(4, 2 + 7 * (i % 3)), textcoords="offset points")
         key.append(f"{i:>2}  {s}")
     front = C.pareto(points.values(), minimize_x=False)

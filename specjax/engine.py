@@ -124,9 +124,10 @@ class Engine:
     when decoded alone, so exact speculation on this path gives q8 target-only's tokens.
     layers: "stacked" (a scan over layers: compile time independent of depth, block-quantized
     weights kept as codes; with the native kernel, in its tile-major order, 4-bit codes two per
-    byte, read in place; engines of one model share that packed copy) or "unrolled" (one device only: a loop of layers, each with its own
-    arrays: with the native kernel its packed codes, else float arrays, which XLA:CPU reads
-    faster than codes it must dequantize into a buffer; compiles for longer; `llama.unstack_layers`).
+    byte, read in place; engines of one model share that packed copy) or "unrolled" (one device
+    only: a loop of layers, each with its own arrays: with the native kernel its packed codes, else
+    float arrays, which XLA:CPU reads faster than codes it must dequantize into a buffer; compiles
+    for longer; `llama.unstack_layers`).
     mesh: None (one device), a `jax.sharding.Mesh` with axes ("data", "model"), or a
     `sharding.MeshConfig` (rules, attention "auto"/"replicate"/"pad", draft "shard"/"replicate");
     params are placed once, caches and logits are constrained inside the program, and the
