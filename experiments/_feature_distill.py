@@ -141,7 +141,7 @@ def coverage(tops_NT, mask_NT2, ids) -> float:
 
 @functools.cache
 def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_decay: float, clip: float,
-             noise: float, reg_weight: float, soft: float = 0.0):
+             noise: float, reg_weight: float, soft: float = 0.0, chained: bool = False):
     import jax
     import jax.numpy as jnp
     import optax
@@ -150,24 +150,31 @@ def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_dec
 
     optimizer, _ = make_optimizer(steps, lr, warmup, weight_decay, clip)
 
-    def forward(train, frozen, tokens_BT, feats_BTD, key, mask_BT2=None):
-        """Predicted features and reduced logits at positions 0 .. T - 3."""
+    def forward(train, frozen, tokens_BT, feats_BTD, key, mask_BT2=None, f_in=None):
+        """Predicted features and reduced logits at positions 0 .. T - 3 (inputs: the target's
+        features with noise, or `f_in` as given)."""
         B, T = tokens_BT.shape
         feats_BTD = feats_BTD.astype(jnp.float32)  # stored as float16
-        f_in = feats_BTD[:, : T - 2]
+        true_in = feats_BTD[:, : T - 2]
         # the sequence's feature scale over its real positions (padding's features are not its own)
         m_BT = jnp.ones((B, T - 2), jnp.float32) if mask_BT2 is None else mask_BT2.astype(jnp.float32)
-        ms_BT = jnp.mean(jnp.square(f_in), axis=-1)
+        ms_BT = jnp.mean(jnp.square(true_in), axis=-1)
         rms_B11 = jnp.sqrt(jnp.sum(ms_BT * m_BT, axis=1) / jnp.maximum(jnp.sum(m_BT, axis=1), 1.0))[:, None, None] + 1e-6
-        if key is not None and noise > 0:
-            f_in = f_in + noise * rms_B11 * jax.random.uniform(key, f_in.shape, minval=-1.0, maxval=1.0)
+        if f_in is None:
+            f_in = true_in
+            if key is not None and noise > 0:
+                f_in = f_in + noise * rms_B11 * jax.random.uniform(key, f_in.shape, minval=-1.0, maxval=1.0)
         emb = llama.embed_tokens(frozen["embed"], tokens_BT[:, 1: T - 1])
         pos = jnp.broadcast_to(jnp.arange(T - 2, dtype=jnp.int32), (B, T - 2))
         f_hat, _ = FD.features(cfg, train, emb, f_in, pos)
         return f_hat, FD.logits(cfg, train, f_hat), rms_B11
 
-    def loss_fn(train, frozen, tokens_BT, feats_BTD, labels_BT2, mask_BT2, key):
-        f_hat, logits, rms_B11 = forward(train, frozen, tokens_BT, feats_BTD, key, mask_BT2)
+    def chained_input(feats_BTD, f_hat):
+        """Position j's input feature as a chained draft step sees it: the draft's own prediction
+        of f_j, made at j - 1 (position 0 keeps the target's)."""
+        return jnp.concatenate([feats_BTD[:, :1].astype(jnp.float32), f_hat[:, :-1]], axis=1)
+
+    def terms(frozen, f_hat, logits, rms_B11, feats_BTD, labels_BT2, mask_BT2):
         in_vocab = labels_BT2 >= 0
         if soft > 0:  # the target's own distribution at j + 1 over the draft's vocabulary, from its feature
             teacher = FD.logits(cfg, {"norm": frozen["teacher_norm"], "head": frozen["teacher_head"]},
@@ -180,20 +187,35 @@ def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_dec
         ce = jnp.sum(ce * m_ce) / jnp.maximum(jnp.sum(m_ce), 1.0)
         reg = jnp.mean(optax.huber_loss(f_hat / rms_B11, feats_BTD[:, 1:-1].astype(jnp.float32) / rms_B11), axis=-1)
         reg = jnp.sum(reg * mask_BT2) / jnp.maximum(jnp.sum(mask_BT2), 1.0)
-        return ce + reg_weight * reg, (ce, reg)
+        return ce, reg
+
+    def loss_fn(train, frozen, tokens_BT, feats_BTD, labels_BT2, mask_BT2, key):
+        f_hat, logits, rms_B11 = forward(train, frozen, tokens_BT, feats_BTD, key, mask_BT2)
+        ce, reg = terms(frozen, f_hat, logits, rms_B11, feats_BTD, labels_BT2, mask_BT2)
+        aux = {"ce": ce, "feature": reg}
+        loss = ce + reg_weight * reg
+        if chained:  # a second pass on its own predictions, as the engine's chained steps read them
+            f2, logits2, _ = forward(train, frozen, tokens_BT, feats_BTD, None, mask_BT2,
+                                     chained_input(feats_BTD, f_hat))
+            ce2, reg2 = terms(frozen, f2, logits2, rms_B11, feats_BTD, labels_BT2, mask_BT2.at[:, 0].set(0.0))
+            aux.update(ce_chained=ce2, feature_chained=reg2)
+            loss = loss + ce2 + reg_weight * reg2
+        return loss, aux
 
     @jax.jit
     def train_step(train, frozen, opt_state, tokens_BT, feats_BTD, labels_BT2, mask_BT2, key):
-        (loss, (ce, reg)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             train, frozen, tokens_BT, feats_BTD, labels_BT2, mask_BT2, key)
         updates, opt_state = optimizer.update(grads, opt_state, train)
-        return optax.apply_updates(train, updates), opt_state, loss, ce, reg
+        return optax.apply_updates(train, updates), opt_state, {"loss": loss, **aux}
 
     @jax.jit
     def predict(train, frozen, tokens_BT, feats_BTD):
-        """Index into the reduced vocabulary of the draft's choice at positions 0 .. T - 3."""
-        _, logits, _ = forward(train, frozen, tokens_BT, feats_BTD, None)
-        return jnp.argmax(logits, axis=-1)
+        """Indices into the reduced vocabulary of the draft's choices at positions 0 .. T - 3: its
+        first step (the target's features) and a chained step (its own predicted features)."""
+        f_hat, logits, _ = forward(train, frozen, tokens_BT, feats_BTD, None)
+        _, logits2, _ = forward(train, frozen, tokens_BT, feats_BTD, None, None, chained_input(feats_BTD, f_hat))
+        return jnp.argmax(logits, axis=-1), jnp.argmax(logits2, axis=-1)
 
     return optimizer, train_step, predict
 
@@ -224,25 +246,31 @@ def agreement(pred_NT2, labels_NT2, mask_NT2, k: int) -> dict:
 
 def train(cfg, train_params, frozen, data, val, work: pathlib.Path, *, make_optimizer, steps, batch, lr, warmup,
           weight_decay, clip, seed, log_every, eval_every, ckpt_every, k, stop_after=0, noise=0.1, reg_weight=1.0,
-          soft=0.0):
+          soft=0.0, chained=False):
     """Runs (or resumes) training; data/val = (tokens, feats, labels, mask). Returns the trained
     params (None after --stop_after). Appends to work/metrics.jsonl. soft > 0: the cross-entropy
     is against the target's softmax at that temperature over the draft's vocabulary (frozen holds
     teacher_head and teacher_norm), not its argmax alone."""
     optimizer, train_step, predict = make_fns(cfg, make_optimizer, steps, lr, warmup, weight_decay, clip, noise,
-                                              reg_weight, soft)
+                                              reg_weight, soft, chained)
     tokens, feats, labels, mask = data
 
     def step_fn(params, opt_state, rows, key):
-        params, opt_state, loss, ce, reg = train_step(params, frozen, opt_state, tokens[rows], feats[rows],
-                                                      labels[rows], mask[rows], key)
-        return params, opt_state, {"loss": loss, "ce": ce, "feature": reg}, mask[rows].sum()
+        params, opt_state, losses = train_step(params, frozen, opt_state, tokens[rows], feats[rows], labels[rows],
+                                               mask[rows], key)
+        return params, opt_state, losses, mask[rows].sum()
 
     def evaluate(params):
         vt, vf, vl, vm = val
-        preds = np.concatenate([np.asarray(predict(params, frozen, vt[i: i + batch], vf[i: i + batch]))
-                                for i in range(0, len(vt), batch)])
-        return agreement(preds, vl, vm, k)
+        pairs = [predict(params, frozen, vt[i: i + batch], vf[i: i + batch]) for i in range(0, len(vt), batch)]
+        first, chained = (np.concatenate([np.asarray(p[i]) for p in pairs]) for i in (0, 1))
+        row = agreement(first, vl, vm, k)
+        # a chained step's agreement (every input feature the draft's own prediction: the engine's
+        # second draft reads one prediction, its context the target's features)
+        m2 = (vm > 0).copy()
+        m2[:, 0] = False
+        row["agree_chained"] = float(((chained == vl) & (vl >= 0))[m2].mean())
+        return row
 
     return TL.run(train_params, optimizer, work, step_fn=step_fn, evaluate=evaluate, n=len(tokens),
                   tokens_per_row=float(mask.sum(1).mean()), steps=steps, batch=batch, seed=seed,

@@ -74,6 +74,9 @@ _TEXT = flags.DEFINE_integer("text_sequences", 0, "Feature draft: also train on 
 _FEAT_INT8 = flags.DEFINE_boolean("feature_int8", True, "Feature draft: export its matrices as int8 block codes "
                                   "(feature_draft.quantize; a step reads a quarter of the float32 bytes).")
 _FEAT_WEIGHT = flags.DEFINE_float("feature_weight", 1.0, "Feature draft: weight of the feature regression loss.")
+_CHAINED = flags.DEFINE_boolean("chained_loss", False, "Feature draft: also train a second pass that reads its own "
+                                "predicted features, as the engine's chained draft steps do (without it, those "
+                                "steps see inputs unlike any in training).")
 _SOFT = flags.DEFINE_float("soft_labels", 0.0, "Feature draft: > 0 trains on the target's softmax at this "
                            "temperature (over the draft's vocabulary, from the next position's feature) instead "
                            "of its argmax alone.")
@@ -540,7 +543,7 @@ def main_feature(target, out_dir: pathlib.Path, work: pathlib.Path, t_start: flo
     t0 = time.perf_counter()
     final = FD.train(cfg, params, frozen, (t_tok, t_f, t_l, t_m), (v_tok, v_f, v_l, v_m), work,
                      make_optimizer=make_optimizer, noise=_FEAT_NOISE.value, reg_weight=_FEAT_WEIGHT.value,
-                     soft=_SOFT.value,
+                     soft=_SOFT.value, chained=_CHAINED.value,
                      **dataclasses.asdict(tc))
     if final is None:
         return

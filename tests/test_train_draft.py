@@ -142,7 +142,7 @@ def test_binary_end_to_end(tmp_path):
     assert models.load(out, cache=False).config.hidden_size == 32
 
 
-def _train_feature(target, data, work, *, steps, stop_after=0, soft=0.0):
+def _train_feature(target, data, work, *, steps, stop_after=0, soft=0.0, chained=False):
     from experiments import _feature_distill as F
     from specjax.models import feature_draft
 
@@ -162,7 +162,7 @@ def _train_feature(target, data, work, *, steps, stop_after=0, soft=0.0):
     val = tuple(a[:2] for a in data)
     out = F.train(cfg, params, frozen, data, val, work, make_optimizer=T.make_optimizer, steps=steps, batch=4,
                   lr=1e-2, warmup=3, weight_decay=0.0, clip=1.0, seed=0, log_every=5, eval_every=10, ckpt_every=5,
-                  k=3, stop_after=stop_after, soft=soft)
+                  k=3, stop_after=stop_after, soft=soft, chained=chained)
     return feature_draft.FeatureDraft(cfg, out, ids, "tiny-feature") if out is not None else None
 
 
@@ -207,6 +207,17 @@ def test_soft_labels_are_the_targets_own_distribution_and_training_on_them_learn
     losses = [r["loss"] for r in rows if "loss" in r]
     agree = [r["eval"]["agree"] for r in rows if "eval" in r]
     assert losses[-1] < 0.8 * losses[0] and agree[-1] > agree[0]
+
+
+def test_chained_loss_trains_the_step_that_reads_its_own_prediction(target, data, tmp_path):
+    _train_feature(target, data, tmp_path / "plain", steps=20)
+    _train_feature(target, data, tmp_path / "chained", steps=20, chained=True)
+    plain, chained = _rows(tmp_path / "plain"), _rows(tmp_path / "chained")
+    losses = [r["ce_chained"] for r in chained if "ce_chained" in r]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0]
+    assert not any("ce_chained" in r for r in plain)
+    agree = [r["eval"]["agree_chained"] for r in chained if "eval" in r]
+    assert agree[-1] > agree[0] + 0.1  # recorded at every evaluation, and it learns
 
 
 def test_feature_draft_vocabulary_keeps_every_eos():
