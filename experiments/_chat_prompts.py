@@ -8,8 +8,6 @@ target's own greedy answers to them are what a chat draft must learn to predict.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 SUBJECTS = """
@@ -114,6 +112,10 @@ TASKS = (
     "reads a text file and prints its longest line",
 )
 
+BARE = {"reverses": "reverse", "checks": "check", "counts": "count", "finds": "find", "removes": "remove",
+        "computes": "compute", "returns": "compute", "sorts": "sort", "merges": "merge", "converts": "convert",
+        "validates": "validate", "flattens": "flatten", "reads": "read"}  # the tasks' verbs, as "to ..." takes them
+
 
 def subjects() -> list[str]:
     return [s.strip() for s in SUBJECTS.replace("\n", " ").split(";") if s.strip()]
@@ -125,15 +127,9 @@ def chat_requests(n: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
     subs = subjects()
     out, seen = [], set()
-    tasks_bare = [t.replace("returns", "compute").replace("computes", "compute").replace("checks", "check")
-                  .replace("finds", "find").replace("counts", "count").replace("removes", "remove")
-                  .replace("sorts", "sort").replace("merges", "merge").replace("converts", "convert")
-                  .replace("validates", "validate").replace("flattens", "flatten").replace("reverses", "reverse")
-                  .replace("reads", "read") for t in TASKS]
+    tasks_bare = [BARE[t.split(" ", 1)[0]] + " " + t.split(" ", 1)[1] for t in TASKS]
     cap = len(TEMPLATES) * len(subs) + len(MATH) * 1000 + len(CODING) * len(TASKS)
-    for _ in itertools.count():
-        if len(out) >= min(n, cap):
-            break
+    while len(out) < min(n, cap):
         u = rng.random()
         if u < 0.8:
             s, t = rng.choice(subs, 2, replace=False)

@@ -6,11 +6,12 @@ training sequence (teacher-forced) and its last-layer features and argmax tokens
 trained on two losses: cross-entropy of its reduced-vocabulary logits against the target's
 argmax at j + 1 (the token after x_{j+1}), and a smooth-L1 regression of its predicted
 feature on f_{j+1} (scaled by the sequence's feature RMS: the residual stream has a few very
-large coordinates); with --soft_labels T the cross-entropy is replaced by the KL divergence to
-the target's softmax at temperature T over the draft's vocabulary (computed from f_{j+1} with the
-target's own head columns: the label's whole distribution, not its argmax alone). Input features get uniform noise (--feature_noise, relative to that RMS)
-so that the chained steps, which read the draft's own predictions, see inputs like those of
-training.
+large coordinates). Input features get uniform noise (--feature_noise, relative to that RMS).
+--chained_loss adds a second pass in which each position reads the draft's own predicted
+feature, as the engine's chained steps do (noise alone left those steps at 8% agreement).
+--soft_labels T replaces the cross-entropy by the KL divergence to the target's softmax at
+temperature T over the draft's vocabulary, computed from f_{j+1} with the target's own head
+columns.
 """
 
 from __future__ import annotations
