@@ -1,5 +1,6 @@
 """The benchmark binaries start, document their flags and refuse bad ones."""
 
+import csv
 import pathlib
 import subprocess
 import sys
@@ -10,7 +11,8 @@ EXP = pathlib.Path(__file__).resolve().parents[1] / "experiments"
 
 
 @pytest.mark.parametrize("binary, flag", [("benchmark.py", "--methods"), ("bench_decode.py", "--max_new_tokens"),
-                                          ("device_check.py", "--max_new_tokens"), ("bench_matmul.py", "--cache_len")])
+                                          ("device_check.py", "--max_new_tokens"), ("bench_matmul.py", "--cache_len"),
+                                          ("break_even.py", "--agreement")])
 def test_help_documents_flags(binary, flag):
     out = subprocess.run([sys.executable, str(EXP / binary), "--help"], capture_output=True, text=True, timeout=120)
     assert flag.lstrip("-") in out.stdout + out.stderr
@@ -65,3 +67,23 @@ def test_bench_matmul_refuses_a_context_without_room():
     out = subprocess.run([sys.executable, str(EXP / "bench_matmul.py"), "--cache_len=64", "--context=60"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--context must leave room" in out.stderr
+
+
+def test_break_even_scripts_the_agreement_and_exact_keeps_the_target_tokens(tmp_path):
+    """A scripted draft always right: every round but the last takes K + 1 tokens; never right: one.
+    The costed drafter's proposal runs and is replaced, and exact output is the target's either way."""
+    path = tmp_path / "b.csv"
+    out = subprocess.run([sys.executable, str(EXP / "break_even.py"), "--model=random:tiny", "--datasets=humaneval",
+                          "--num_prompts=1", "--max_new_tokens=16", "--k=2", "--agreement=1,0",
+                          "--cost_of=none,self:1", f"--csv={path}"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader(path.open()))
+    assert sorted((r["cost_of"], float(r["agreement"])) for r in rows) == [
+        ("none", 0.0), ("none", 1.0), ("self:1", 0.0), ("self:1", 1.0)]
+    for r in rows:
+        assert float(r["divergence"]) == 0.0
+        if float(r["agreement"]) == 0.0:
+            assert float(r["tau"]) == 1.0 and float(r["expected_tau"]) == 1.0
+        else:  # 15 tokens after the prefill's: rounds of 3 (the last cut short by an EOS or the limit)
+            assert float(r["tau"]) > 2.0 and float(r["expected_tau"]) == 3.0
+    assert "break-even agreement" in out.stdout and "| self:1 | 2 |" in out.stdout

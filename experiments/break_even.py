@@ -1,0 +1,249 @@
+r"""What acceptance a draft needs on this machine: speedup against per-token agreement, measured.
+
+A scripted drafter proposes, at each of its K positions, the target's own greedy token with
+probability `agreement` and a wrong one otherwise (independently per position), so exact
+verification accepts a geometric prefix of known mean. Its tokens come from a target-only run
+of the same prompt, so nothing but the agreement is made up: every round runs the real
+verify forward, rule and commit, and, with --cost_of=DRAFT, the real drafter's whole proposal
+too (its tokens are computed, then replaced), so a round costs what that drafter's round costs.
+The table answers "how good must a draft be before speculation pays here", per K: the
+break-even agreement and the agreement for a target speedup, against the agreement a real
+draft reaches (run benchmark.py for its tau).
+
+    python experiments/break_even.py                                   # SmolLM2, MT-Bench 0-7, free draft
+    python experiments/break_even.py --cost_of=none,DRAFT_DIR --k=1,2,4 --agreement=1,0.9,0.8,0.6,0.4
+
+Configurations are interleaved prompt by prompt between two target-only runs (as benchmark.py);
+tokens/s are totals over the prompts, speedups against the mean of the baselines.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from absl import app, flags, logging
+
+try:  # imported as experiments.break_even (tests) or run as a script (experiments/ on sys.path)
+    from experiments import _common as C
+except ImportError:
+    import _common as C
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
+_COST = flags.DEFINE_list("cost_of", ["none"], "Whose proposal cost each scripted round pays: none (free: "
+                          "no draft computation at all) or a draft spec (pld, self:N, a preset/path, a feature "
+                          "draft directory).")
+_K = flags.DEFINE_list("k", ["1", "2", "4"], "Draft tokens per round (one program per K and cost).")
+_AGREE = flags.DEFINE_list("agreement", ["1", "0.9", "0.8", "0.6", "0.4"], "Per-position probability that a "
+                           "scripted draft is the target's token (a runtime value: one program for all).")
+_DATASETS = flags.DEFINE_list("datasets", ["mtbench"], "mtbench and/or humaneval (raw completion).")
+_NUM = flags.DEFINE_integer("num_prompts", 8, "Prompts per dataset (the first N).")
+_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
+_TARGET = flags.DEFINE_float("goal", 1.3, "Speedup whose needed agreement the summary reports.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the scripted mistakes.")
+_BUCKET = flags.DEFINE_integer("prompt_bucket", 64, "Prompts padded to a multiple of this (Engine's prompt_bucket).")
+_CSV = flags.DEFINE_string("csv", "break_even.csv", "Where to write the rows (empty: nowhere).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scripted:
+    """A drafter whose K tokens are the target's own greedy continuation, each replaced by a wrong
+    token with probability 1 - agreement. params: {"inner": the costed drafter's params,
+    "ref_BS": int32[B, S] prompt + target-only tokens at their positions, "agreement": float32[]}.
+
+    inner: the drafter whose full proposal runs every round (its tokens feed the wrong choices,
+    so none of its work is dead code); None: no draft work at all.
+    """
+
+    inner: Any
+    k: int
+    vocab_size: int
+
+    @property
+    def uses_features(self) -> bool:
+        return getattr(self.inner, "uses_features", False)
+
+    def init(self, params, prompt_BT, prompt_len_B, max_len, **features):
+        return () if self.inner is None else self.inner.init(params["inner"], prompt_BT, prompt_len_B, max_len,
+                                                             **features)
+
+    def observe(self, state, features_BRD, base_B):
+        return self.inner.observe(state, features_BRD, base_B)
+
+    def propose(self, params, state, seq_BS, lengths_B, key, temperature):
+        import jax
+        import jax.numpy as jnp
+
+        key, sub = jax.random.split(key)
+        ref_BS = params["ref_BS"]
+        B, S = ref_BS.shape
+        pos_BK = jnp.minimum(lengths_B[:, None] + 1 + jnp.arange(self.k, dtype=jnp.int32)[None], S - 1)
+        ref_BK = jnp.take_along_axis(ref_BS, pos_BK, axis=1)
+        other_BK = (ref_BK + 1) % self.vocab_size
+        if self.inner is not None:
+            d_BK, _, _, state = self.inner.propose(params["inner"], state, seq_BS, lengths_B, key, temperature)
+            other_BK = jnp.where(d_BK[:, : self.k] == ref_BK, other_BK, d_BK[:, : self.k])
+        right_BK = jax.random.uniform(sub, (B, self.k)) < params["agreement"]
+        drafts_BK = jnp.where(right_BK, ref_BK, other_BK)
+        return drafts_BK, jnp.full((B,), self.k, jnp.int32), None, state
+
+
+def expected_tau(agreement: float, k: int) -> float:
+    """Tokens per round of exact verification when each draft is right independently with
+    probability `agreement`: 1 + a + a^2 + ... + a^K."""
+    return sum(agreement ** i for i in range(k + 1))
+
+
+def needed(points: list[tuple[float, float]], goal: float) -> float | None:
+    """The agreement at which the measured speedup reaches `goal` (linear between measured points;
+    None when no measured agreement reaches it)."""
+    points = sorted(points)
+    for (a0, s0), (a1, s1) in zip(points, points[1:]):
+        if s0 < goal <= s1:
+            return a0 + (goal - s0) * (a1 - a0) / (s1 - s0)
+    if points and points[0][1] >= goal:
+        return points[0][0]
+    return None
+
+
+class Config:
+    """One (cost, K) program: an engine for the shapes, its Program with the scripted drafter."""
+
+    def __init__(self, target, cost: str, k: int, seed: int):
+        import specjax
+
+        draft = C.resolve_draft(cost, _MODEL.value) if cost != "none" else "pld"
+        self.engine = specjax.Engine(target, draft=draft, method="exact", k=k, max_new_tokens=_NEW.value,
+                                     seed=seed, prompt_bucket=_BUCKET.value)
+        self.cost, self.k = cost, k
+        self.inner = None if cost == "none" else self.engine.drafter
+
+    def run(self, ids, reference, agreement: float):
+        """(tokens, seconds, statistics) of one scripted generation."""
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from specjax import loop, metrics
+
+        program, args = self.engine._prepare([ids])
+        scripted = Scripted(self.inner, self.k, self.engine.target.config.vocab_size)
+        program = dataclasses.replace(program, drafter=scripted)
+        ref_BS = np.zeros((1, program.max_len), np.int32)
+        full = list(ids) + list(reference)
+        ref_BS[0, : len(full)] = full[: program.max_len]
+        args["params"] = loop.Params(target=args["params"].target, draft={
+            "inner": args["params"].draft, "ref_BS": jnp.asarray(ref_BS), "agreement": jnp.float32(agreement)})
+        t = time.perf_counter()
+        out = jax.device_get(program.run(**args))
+        seconds = time.perf_counter() - t
+        tokens = out.seq_BS[0, len(ids): len(ids) + out.num_out_B[0]].tolist()
+        return tokens, seconds, metrics.statistics(out.counters, out.rule_state)
+
+
+def main(argv):
+    C.check_output("csv", _CSV.value)
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        ks = [int(k) for k in _K.value]
+        agreements = [float(a) for a in _AGREE.value]
+    except ValueError as e:
+        raise app.UsageError(f"--k takes integers and --agreement numbers: {e}") from None
+    if not ks or min(ks) < 1:
+        raise app.UsageError(f"--k must be one or more integers >= 1, got {_K.value}")
+    if not agreements or not all(0.0 <= a <= 1.0 for a in agreements):
+        raise app.UsageError(f"--agreement values must lie in [0, 1], got {_AGREE.value}")
+    for f in (_NUM, _NEW, _BUCKET):
+        if f.value <= 0:
+            raise app.UsageError(f"--{f.name} must be positive")
+    logging.set_verbosity(logging.WARNING)
+    import specjax
+    from specjax import data, metrics
+
+    started = time.perf_counter()
+    target = C.load_model(_MODEL.value)
+    tok = target.tokenizer
+    prompts = []
+    for dataset in _DATASETS.value:
+        if dataset == "humaneval":
+            prompts += [tok.encode(p["prompt"]) for p in data.humaneval_problems(_NUM.value)]
+        elif dataset == "mtbench":
+            prompts += [tok.chat_prompt_ids(m) for m in data.messages(dataset, _NUM.value)]
+        else:
+            raise app.UsageError(f"--datasets: unknown {dataset!r} (mtbench, humaneval)")
+    baseline = specjax.Engine(target, max_new_tokens=_NEW.value, prompt_bucket=_BUCKET.value)
+    configs = [Config(target, cost, k, _SEED.value) for cost in _COST.value for k in ks]
+    keys = [(c, a) for c in configs for a in agreements]
+    _log(f"compiling {1 + len(configs)} programs ...")
+    for ids in {baseline.prompt_width([p]): p for p in prompts}.values():
+        reference = baseline.generate([ids]).tokens[0]
+        for c in configs:
+            c.run(ids, reference, 1.0)
+    _log("measuring ...")
+    base_tokens, base_seconds, drift = 0, 0.0, []
+    tallies = {key: [0, 0.0, [], 0] for key in keys}  # tokens, seconds, stats, diverged
+    for i, ids in enumerate(prompts):
+        t = time.perf_counter()
+        reference = baseline.generate([ids]).tokens[0]
+        first = time.perf_counter() - t
+        for c, a in keys:
+            tokens, seconds, stats = c.run(ids, reference, a)
+            tally = tallies[(c, a)]
+            tally[0] += len(tokens)
+            tally[1] += seconds
+            tally[2].append(stats)
+            tally[3] += tokens != reference
+        t = time.perf_counter()
+        baseline.generate([ids])
+        second = time.perf_counter() - t
+        base_tokens += 2 * len(reference)
+        base_seconds += first + second
+        drift.append(second / first)
+        _log(f"prompt {i + 1}/{len(prompts)} done ({time.perf_counter() - started:.0f}s elapsed)")
+
+    base_tps = base_tokens / base_seconds
+    rows = []
+    for (c, a), (tokens, seconds, stats, diverged) in tallies.items():
+        merged = metrics.merge(stats)
+        rows.append(dict(cost_of=c.cost, k=c.k, agreement=a, expected_tau=expected_tau(a, c.k), tau=merged["tau"],
+                         tokens_per_s=tokens / seconds, speedup=tokens / seconds / base_tps,
+                         round_cost=merged["tau"] / (tokens / seconds / base_tps), divergence=diverged / len(prompts)))
+    print(f"\nmachine: {C.machine()}; load averages at the end {os.getloadavg()}")
+    print(f"target {_MODEL.value}; {len(prompts)} prompts ({', '.join(_DATASETS.value)}); max_new_tokens="
+          f"{_NEW.value}; batch 1; exact verification; target-only {base_tps:.1f} tokens/s")
+    print(f"baseline drift (second/first run of each prompt): median {statistics.median(drift):.3f}, "
+          f"range {min(drift):.3f}-{max(drift):.3f}; wall time {time.perf_counter() - started:.0f}s")
+    print("round cost: target steps per round (tau / speedup); divergence: share of prompts whose tokens differ "
+          "from target-only\n")
+    print("| cost of | K | agreement | expected tau | tau | tokens/s | speedup | round cost | divergence |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['cost_of']} | {r['k']} | {r['agreement']:.2f} | {r['expected_tau']:.2f} | {r['tau']:.2f} "
+              f"| {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['round_cost']:.2f} | {r['divergence']:.2f} |")
+    print(f"\n| cost of | K | break-even agreement (1.0x) | agreement for {_TARGET.value}x | speedup at the highest agreement |")
+    print("|---|---|---|---|---|")
+    for c in configs:
+        points = [(r["agreement"], r["speedup"]) for r in rows if r["cost_of"] == c.cost and r["k"] == c.k]
+        fmt = lambda x: "not reached" if x is None else f"{x:.2f}"  # noqa: E731
+        top = max(points)[1]
+        print(f"| {c.cost} | {c.k} | {fmt(needed(points, 1.0))} | {fmt(needed(points, _TARGET.value))} | {top:.2f} |")
+    if _CSV.value:
+        with C.atomic_open(_CSV.value, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"\nwrote {_CSV.value}")
+
+
+def _log(msg):
+    print(f"[break_even] {msg}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    C.run_main(main)
