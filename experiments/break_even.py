@@ -123,8 +123,8 @@ class Config:
         self.cost, self.k = cost, k
         self.inner = None if cost == "none" else self.engine.drafter
 
-    def run(self, ids, reference, agreement: float):
-        """(tokens, seconds, statistics) of one scripted generation."""
+    def run(self, ids, reference, agreement: float, seed: int):
+        """(tokens, seconds, statistics) of one scripted generation; `seed` draws its mistakes."""
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -137,6 +137,7 @@ class Config:
         ref_BS = np.zeros((1, program.max_len), np.int32)
         full = list(ids) + list(reference)
         ref_BS[0, : len(full)] = full[: program.max_len]
+        args["seed"] = np.uint32(seed)  # a program input: no recompilation
         args["params"] = loop.Params(target=args["params"].target, draft={
             "inner": args["params"].draft, "ref_BS": jnp.asarray(ref_BS), "agreement": jnp.float32(agreement)})
         t = time.perf_counter()
@@ -184,7 +185,7 @@ def main(argv):
     for ids in {baseline.prompt_width([p]): p for p in prompts}.values():
         reference = baseline.generate([ids]).tokens[0]
         for c in configs:
-            c.run(ids, reference, 1.0)
+            c.run(ids, reference, 1.0, 0)
     _log("measuring ...")
     base_tokens, base_seconds, drift = 0, 0.0, []
     tallies = {key: [0, 0.0, [], 0] for key in keys}  # tokens, seconds, stats, diverged
@@ -193,7 +194,9 @@ def main(argv):
         reference = baseline.generate([ids]).tokens[0]
         first = time.perf_counter() - t
         for c, a in keys:
-            tokens, seconds, stats = c.run(ids, reference, a)
+            # each prompt its own mistakes (one seed for every prompt would repeat one sample of
+            # rounds), the same for every configuration (common random numbers for the comparison)
+            tokens, seconds, stats = c.run(ids, reference, a, _SEED.value * 100_003 + i)
             tally = tallies[(c, a)]
             tally[0] += len(tokens)
             tally[1] += seconds
@@ -212,7 +215,7 @@ def main(argv):
     for (c, a), (tokens, seconds, stats, diverged) in tallies.items():
         merged = metrics.merge(stats)
         rows.append(dict(cost_of=c.cost, k=c.k, agreement=a, expected_tau=expected_tau(a, c.k), tau=merged["tau"],
-                         tokens_per_s=tokens / seconds, speedup=tokens / seconds / base_tps,
+                         first_acceptance=merged["accepted_per_position"][0], tokens_per_s=tokens / seconds, speedup=tokens / seconds / base_tps,
                          round_cost=merged["tau"] / (tokens / seconds / base_tps), divergence=diverged / len(prompts)))
     print(f"\nmachine: {C.machine()}; load averages at the end {os.getloadavg()}")
     print(f"target {_MODEL.value}; {len(prompts)} prompts ({', '.join(_DATASETS.value)}); max_new_tokens="
@@ -221,10 +224,12 @@ def main(argv):
           f"range {min(drift):.3f}-{max(drift):.3f}; wall time {time.perf_counter() - started:.0f}s")
     print("round cost: target steps per round (tau / speedup); divergence: share of prompts whose tokens differ "
           "from target-only\n")
-    print("| cost of | K | agreement | expected tau | tau | tokens/s | speedup | round cost | divergence |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| cost of | K | agreement | first draft accepted | expected tau | tau | tokens/s | speedup | round cost "
+          "| divergence |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['cost_of']} | {r['k']} | {r['agreement']:.2f} | {r['expected_tau']:.2f} | {r['tau']:.2f} "
+        print(f"| {r['cost_of']} | {r['k']} | {r['agreement']:.2f} | {r['first_acceptance']:.2f} "
+              f"| {r['expected_tau']:.2f} | {r['tau']:.2f} "
               f"| {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | {r['round_cost']:.2f} | {r['divergence']:.2f} |")
     print(f"\n| cost of | K | break-even agreement (1.0x) | agreement for {_TARGET.value}x | speedup at the highest agreement |")
     print("|---|---|---|---|---|")
