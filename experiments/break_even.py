@@ -114,12 +114,12 @@ def needed(points: list[tuple[float, float]], goal: float) -> float | None:
 class Config:
     """One (cost, K) program: an engine for the shapes, its Program with the scripted drafter."""
 
-    def __init__(self, target, cost: str, k: int, seed: int):
+    def __init__(self, target, cost: str, k: int):
         import specjax
 
         draft = C.resolve_draft(cost, _MODEL.value) if cost != "none" else "pld"
         self.engine = specjax.Engine(target, draft=draft, method="exact", k=k, max_new_tokens=_NEW.value,
-                                     seed=seed, prompt_bucket=_BUCKET.value)
+                                     prompt_bucket=_BUCKET.value)
         self.cost, self.k = cost, k
         self.inner = None if cost == "none" else self.engine.drafter
 
@@ -179,7 +179,7 @@ def main(argv):
         else:
             raise app.UsageError(f"--datasets: unknown {dataset!r} (mtbench, humaneval)")
     baseline = specjax.Engine(target, max_new_tokens=_NEW.value, prompt_bucket=_BUCKET.value)
-    configs = [Config(target, cost, k, _SEED.value) for cost in _COST.value for k in ks]
+    configs = [Config(target, cost, k) for cost in _COST.value for k in ks]
     keys = [(c, a) for c in configs for a in agreements]
     _log(f"compiling {1 + len(configs)} programs ...")
     for ids in {baseline.prompt_width([p]): p for p in prompts}.values():
