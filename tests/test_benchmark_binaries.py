@@ -71,7 +71,7 @@ def test_bench_matmul_refuses_a_context_without_room():
 
 def test_break_even_scripts_the_agreement_and_exact_keeps_the_target_tokens(tmp_path):
     """A scripted draft always right: every round but the last takes K + 1 tokens; never right: one.
-    The costed drafter's proposal runs and is replaced, and exact output is the target's either way."""
+    With or without a costed drafter (its tokens replaced), exact output is the target's either way."""
     path = tmp_path / "b.csv"
     out = subprocess.run([sys.executable, str(EXP / "break_even.py"), "--model=random:tiny", "--datasets=humaneval",
                           "--num_prompts=1", "--max_new_tokens=16", "--k=2", "--agreement=1,0",
