@@ -12,10 +12,7 @@ from absl import app
 
 from specjax import verify
 
-try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
-    from experiments import _paths
-except ImportError:
-    import _paths
+from experiments import _paths
 
 
 def save_csd_memory(path: str | os.PathLike, pairs_P2: np.ndarray, counts_P: np.ndarray, capacity: int,

@@ -12,34 +12,19 @@
 
 from __future__ import annotations
 
-try:  # imported as experiments._common (tests, python -m) or as _common (scripts)
-    from experiments._calibration_files import load_asd_calibration, load_csd_memory, save_csd_memory
-    from experiments._cli import Null, Ticker, log, machine
-    from experiments._models import RANDOM, byte_tokenizer, draft_model, load_model, random_tiny, resolve_draft
-    from experiments._prompts import DATASETS, define_prompt_flags, encode, read_prompts
-    from experiments._reports import divergence, first_difference, jsonable, pareto, write_csv
-    from experiments._rule_flags import (apply_calibration, define_calibration_flags,
-                                         define_calibration_source_flags, define_rule_flags, make_engine,
-                                         parse_method_spec, parse_option, rule_options, rule_options_from_flags,
-                                         validate_calibration_source_flags)
-    from experiments._runs import Run, chunks, compile_for, run
-    from experiments._paths import atomic_open, check_output, write_text
-    from experiments._paths import run as run_main
-    from experiments import _prompts, _rule_flags
-except ImportError:
-    from _calibration_files import load_asd_calibration, load_csd_memory, save_csd_memory
-    from _cli import Null, Ticker, log, machine
-    from _models import RANDOM, byte_tokenizer, draft_model, load_model, random_tiny, resolve_draft
-    from _prompts import DATASETS, define_prompt_flags, encode, read_prompts
-    from _reports import divergence, first_difference, jsonable, pareto, write_csv
-    from _rule_flags import (apply_calibration, define_calibration_flags, define_calibration_source_flags,
-                             define_rule_flags, make_engine, parse_method_spec, parse_option, rule_options,
-                             rule_options_from_flags, validate_calibration_source_flags)
-    from _runs import Run, chunks, compile_for, run
-    from _paths import atomic_open, check_output, write_text
-    from _paths import run as run_main
-    import _prompts
-    import _rule_flags
+from experiments._calibration_files import load_asd_calibration, load_csd_memory, save_csd_memory
+from experiments._cli import Null, Ticker, log, machine
+from experiments._models import RANDOM, byte_tokenizer, draft_model, load_model, random_tiny, resolve_draft
+from experiments._prompts import DATASETS, define_prompt_flags, encode, read_prompts
+from experiments._reports import divergence, first_difference, jsonable, pareto, write_csv
+from experiments._rule_flags import (apply_calibration, define_calibration_flags,
+                                     define_calibration_source_flags, define_rule_flags, make_engine,
+                                     parse_method_spec, parse_option, rule_options, rule_options_from_flags,
+                                     validate_calibration_source_flags)
+from experiments._runs import Run, chunks, compile_for, run
+from experiments._paths import atomic_open, check_output, write_text
+from experiments._paths import run as run_main
+from experiments import _prompts, _rule_flags
 
 # the modules that define the shared flags: a binary adopts them so that --help lists them
 FLAG_MODULES = (_prompts, _rule_flags)

@@ -23,12 +23,8 @@ import time
 
 import numpy as np
 
-try:
-    from experiments import _common as C
-    from experiments import _train_loop as TL
-except ImportError:
-    import _common as C
-    import _train_loop as TL
+from experiments import _common as C
+from experiments import _train_loop as TL
 
 
 def target_features(target, tokens_NT, batch: int = 8):

@@ -17,10 +17,7 @@ from absl import app
 from specjax import drafters, models
 from specjax.models import feature_draft
 
-try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
-    from experiments import _cli
-except ImportError:
-    import _cli
+from experiments import _cli
 
 RANDOM = "random:tiny"
 

@@ -36,7 +36,7 @@ def read_prompts(prompts: Sequence[str] | None, prompts_file: str | None, datase
             raise app.UsageError(f"--prompts_file {prompts_file}: no prompts in it (empty, or blank lines only)")
         out += lines
     if dataset:
-        from specjax import data
+        from experiments import data
 
         if dataset not in DATASETS:
             raise app.UsageError(f"unknown --dataset {dataset!r} (one of {', '.join(DATASETS)})")

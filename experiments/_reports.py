@@ -8,10 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
-    from experiments import _paths
-except ImportError:
-    import _paths
+from experiments import _paths
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

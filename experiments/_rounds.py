@@ -19,10 +19,7 @@ import numpy as np
 
 from specjax import models
 
-try:
-    from experiments import _common as C
-except ImportError:
-    import _common as C
+from experiments import _common as C
 
 
 def teacher_forced(model: models.Model, seq: Sequence[int], bucket: int = 128):

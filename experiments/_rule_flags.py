@@ -11,22 +11,12 @@ from absl import app, flags
 import specjax
 from specjax import models, verify
 
-try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
-    from experiments import _calibration_files
-except ImportError:
-    import _calibration_files
-try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
-    from experiments import _cli
-except ImportError:
-    import _cli
-try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
-    from experiments import _prompts
-except ImportError:
-    import _prompts
-try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
-    from experiments import _models
-except ImportError:
-    import _models
+from experiments import _calibration_files
+from experiments import _cli
+from experiments import _prompts
+from experiments import _models
+
+
 def _bool(v) -> bool:
     if isinstance(v, bool):
         return v

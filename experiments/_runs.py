@@ -9,10 +9,7 @@ from typing import Any, Callable, Sequence
 import specjax
 from specjax import metrics
 
-try:  # imported as experiments.X (tests, python -m) or as X (experiments/ on sys.path, scripts)
-    from experiments import _cli
-except ImportError:
-    import _cli
+from experiments import _cli
 
 
 def chunks(items: Sequence, size: int) -> list:

@@ -15,10 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-try:
-    from experiments import _common as C
-except ImportError:  # run as a script from experiments/
-    import _common as C
+from experiments import _common as C
 
 
 def run(params, optimizer, work: pathlib.Path, *, step_fn: Callable, evaluate: Callable, n: int,

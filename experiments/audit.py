@@ -98,13 +98,7 @@ from absl import app, flags, logging
 
 from specjax import models, verify
 
-try:
-    from experiments import _audit_stats as S, _common as C, _humaneval as H, _jsonl as J
-except ImportError:
-    import _audit_stats as S
-    import _common as C
-    import _humaneval as H
-    import _jsonl as J
+from experiments import _audit_stats as S, _common as C, _humaneval as H, _jsonl as J
 
 DEFAULT_METHODS = ["exact", "fly", "asd", "csd"]
 REFERENCE = "target-only"
@@ -304,10 +298,7 @@ def mean_logprob(target: models.Model, prompt: list[int], answer: list[int]) -> 
     """The target's mean log-probability per token of `answer` after `prompt` (one teacher-forced forward)."""
     import jax
 
-    try:
-        from experiments import _rounds as R
-    except ImportError:
-        import _rounds as R
+    from experiments import _rounds as R
     seq = list(prompt) + list(answer)
     logits = R.teacher_forced(target, seq, _PROMPT_BUCKET.value)[len(prompt) - 1: len(seq) - 1]
     logp = jax.nn.log_softmax(logits.astype(np.float32), axis=-1)
@@ -622,7 +613,7 @@ def main(argv):
     deadline = start + 60 * _BUDGET.value if _BUDGET.value else None
     target = C.load_model(_MODEL.value)
     tok = target.tokenizer
-    from specjax import data
+    from experiments import data
 
     parts: list[Part] = []
     if _MT_N.value:

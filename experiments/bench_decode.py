@@ -26,12 +26,8 @@ import time
 
 from absl import app, flags, logging
 
-try:  # imported as experiments.bench_decode (tests) or run as a script (experiments/ on sys.path)
-    from experiments import _common as C
-    from experiments import _llamacpp
-except ImportError:
-    import _common as C
-    import _llamacpp
+from experiments import _common as C
+from experiments import _llamacpp
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset (a GGUF that transformers can load).")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per request.")

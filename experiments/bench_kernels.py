@@ -21,10 +21,7 @@ import time
 
 from absl import flags
 
-try:
-    from experiments import _paths as P
-except ImportError:
-    import _paths as P
+from experiments import _paths as P
 
 import jax
 import jax.numpy as jnp

@@ -21,10 +21,7 @@ import time
 
 from absl import app, flags
 
-try:  # imported as experiments.bench_matmul or run as a script (experiments/ on sys.path)
-    from experiments import _common as C
-except ImportError:
-    import _common as C
+from experiments import _common as C
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf or HF directory.")
 _K = flags.DEFINE_integer("k", 8, "Draft length: a verify pass scores K + 1 rows.")

@@ -38,12 +38,8 @@ import time
 
 from absl import app, flags, logging
 
-try:
-    from experiments import _paths as P
-except ImportError:
-    import _paths as P
-
-from _common import machine  # noqa: E402  (experiments/ is on sys.path when run as a script)
+from experiments import _paths as P
+from experiments._common import machine
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batch", ["1", "8", "64"], "batch sizes")

@@ -30,12 +30,8 @@ import time
 
 from absl import app, flags, logging
 
-try:  # imported as experiments.benchmark (tests) or run as a script (experiments/ on sys.path)
-    from experiments import _common as C
-    from experiments import _llamacpp
-except ImportError:
-    import _common as C
-    import _llamacpp
+from experiments import _common as C
+from experiments import _llamacpp
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
 _DRAFTS = flags.DEFINE_list("drafts", ["pld"], "Drafters: pld, self:N, a preset/path (draft model), "
@@ -108,7 +104,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
     import specjax
-    from specjax import data, metrics, models
+    from specjax import metrics, models
+    from experiments import data
 
     for name in (_K, _NEW, _NUM, _BUCKET):
         if name.value <= 0:

@@ -29,10 +29,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-try:  # imported as experiments.break_even (tests) or run as a script (experiments/ on sys.path)
-    from experiments import _common as C
-except ImportError:
-    import _common as C
+from experiments import _common as C
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
 _COST = flags.DEFINE_list("cost_of", ["none"], "Whose proposal cost each scripted round pays: none (free: "
@@ -165,7 +162,8 @@ def main(argv):
             raise app.UsageError(f"--{f.name} must be positive")
     logging.set_verbosity(logging.WARNING)
     import specjax
-    from specjax import data, metrics
+    from specjax import metrics
+    from experiments import data
 
     started = time.perf_counter()
     target = C.load_model(_MODEL.value)

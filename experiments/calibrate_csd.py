@@ -29,11 +29,7 @@ import numpy as np
 from absl import app, flags, logging
 
 
-try:
-    from experiments import _common as C, _rounds as R
-except ImportError:
-    import _common as C
-    import _rounds as R
+from experiments import _common as C, _rounds as R
 C.define_calibration_source_flags(num_prompts=40, max_new_tokens=128)
 for _module in C.FLAG_MODULES:  # --help lists the shared flags
     flags.adopt_module_key_flags(_module)

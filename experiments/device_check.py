@@ -15,10 +15,7 @@ import time
 
 from absl import flags
 
-try:
-    from experiments import _paths as P
-except ImportError:
-    import _paths as P
+from experiments import _paths as P
 
 _OUT = flags.DEFINE_string("out", "", "Also write the report here.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per request.")

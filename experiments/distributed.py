@@ -31,10 +31,7 @@ import time
 
 from absl import app, flags
 
-try:
-    from experiments import _paths as P
-except ImportError:
-    import _paths as P
+from experiments import _paths as P
 
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0 (jax.distributed); unset: one process.")

@@ -37,7 +37,8 @@ _CHILD = flags.DEFINE_boolean("child", False, "Internal: run the workload in thi
 def child() -> dict:
     started = time.perf_counter()
     import specjax
-    from specjax import data, models
+    from specjax import models
+    from experiments import data
 
     m = models.load(_MODEL.value)
     loaded = time.perf_counter()

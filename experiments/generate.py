@@ -25,10 +25,7 @@ from absl import app, flags, logging
 
 from specjax import models, verify
 
-try:
-    from experiments import _common as C  # python -m experiments.generate
-except ImportError:
-    import _common as C  # python experiments/generate.py
+from experiments import _common as C  # python -m experiments.generate
 _MODEL = flags.DEFINE_string("model", models.DEFAULT_PRESET,
                              f"Target: a preset ({', '.join(models.PRESETS)}), a .gguf file, a Hugging Face "
                              f"directory, or {C.RANDOM}[:SEED] (a tiny random model, for tests).")

@@ -26,12 +26,8 @@ import time
 
 from absl import app, flags
 
-try:  # imported as experiments.profile_step or run as a script (experiments/ on sys.path)
-    from experiments import _common as C
-    from experiments._profile import profile_ops
-except ImportError:
-    import _common as C
-    from _profile import profile_ops
+from experiments import _common as C
+from experiments._profile import profile_ops
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf or HF directory.")
 _CONTEXT = flags.DEFINE_integer("context", 50, "Tokens already in the cache (the step's position).")

@@ -34,11 +34,7 @@ from absl import app, flags, logging
 
 from specjax import models
 
-try:
-    from experiments import _common as C, _humaneval as H
-except ImportError:
-    import _common as C
-    import _humaneval as H
+from experiments import _common as C, _humaneval as H
 SWEPT = ("greedy", "exact", "fly", "asd", "csd")
 
 _MODEL = flags.DEFINE_string("model", models.DEFAULT_PRESET, "Target model (preset, .gguf, HF directory, "
@@ -141,7 +137,7 @@ def main(argv):
     extra = {} if _STOP_AT_EOS.value else {"eos_ids": ()}
     problems = None
     if _PASS.value:
-        from specjax import data
+        from experiments import data
 
         problems = data.humaneval_problems(flags.FLAGS.prompt_offset + flags.FLAGS.num_prompts)[flags.FLAGS.prompt_offset:]
 

@@ -43,16 +43,10 @@ from typing import ClassVar
 import numpy as np
 from absl import app, flags
 
-try:  # imported as experiments.train_draft (tests) or run as a script
-    from experiments import _chat_prompts as CP
-    from experiments import _common as C
-    from experiments import _feature_distill as FD
-    from experiments import _train_loop as TL
-except ImportError:
-    import _chat_prompts as CP
-    import _common as C
-    import _feature_distill as FD
-    import _train_loop as TL
+from experiments import _chat_prompts as CP
+from experiments import _common as C
+from experiments import _feature_distill as FD
+from experiments import _train_loop as TL
 
 _TARGET = flags.DEFINE_string("target", "smollm2-135m-instruct", "Target: preset, .gguf, HF directory or random:tiny.")
 _OUT = flags.DEFINE_string("out", None, "Output directory of the trained draft (HF layout).", required=True)
@@ -222,7 +216,7 @@ def package_texts(n: int) -> list[str]:
 
 
 def data_messages() -> list[str]:
-    from specjax import data
+    from experiments import data
 
     msgs = []
     try:  # both turns of the questions not held out

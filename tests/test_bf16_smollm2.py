@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import data, models
+from specjax import models
+from experiments import data
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 NEW = 40

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import data
+from experiments import data
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 NEW = 40

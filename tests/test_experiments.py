@@ -234,7 +234,7 @@ def test_audit_table_with_sandboxed_pass_at_1(env, tmp_path):
 
 def test_humaneval_sandbox_and_completion_extraction():
     from experiments import _humaneval as H
-    from specjax import data
+    from experiments import data
 
     problem = data.humaneval_problems(1)[0]
     body = problem["canonical_solution"]

@@ -234,7 +234,7 @@ def test_feature_draft_vocabulary_keeps_every_eos():
 
 def test_chat_requests_are_distinct_deterministic_and_not_evaluation_questions():
     from experiments import _chat_prompts as CP
-    from specjax import data
+    from experiments import data
 
     a, b = CP.chat_requests(500, seed=0), CP.chat_requests(500, seed=0)
     assert a == b and len(a) == 500 and len(set(a)) == 500
