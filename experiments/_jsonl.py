@@ -1,16 +1,57 @@
 """Append-only JSON-lines files that survive a kill: each line is written whole, flushed and
-fsynced; on reading, a truncated last line (a write cut off) is dropped from the file."""
+fsynced; on reading, a truncated last line (a write cut off) is dropped from the file.
+
+A finished run's files may be compressed (`compress`: X.jsonl -> X.jsonl.gz, which keeps them small in
+git). A ledger reads X.jsonl.gz first and X.jsonl after it, and appends to X.jsonl: a compressed run
+resumes, and compressing it again folds the new lines into the .gz."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import pathlib
 from typing import Callable, Hashable
 
 
+def packed(path: str | os.PathLike) -> pathlib.Path:
+    """The compressed twin of a JSON-lines path: X.jsonl -> X.jsonl.gz."""
+    path = pathlib.Path(path)
+    return path.with_name(path.name + ".gz")
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether a ledger has lines at `path`, plain or compressed."""
+    return pathlib.Path(path).is_file() or packed(path).is_file()
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    """The lines of a ledger, compressed part first (what a `Ledger` reads, cut-off tail included)."""
+    path, gz = pathlib.Path(path), packed(path)
+    data = gzip.decompress(gz.read_bytes()) if gz.is_file() else b""
+    return data + (path.read_bytes() if path.is_file() else b"")
+
+
+def compress(path: str | os.PathLike) -> bool:
+    """Folds X.jsonl (and an earlier X.jsonl.gz) into X.jsonl.gz and removes X.jsonl; False when there is
+    nothing to fold. Refuses a file that ends in a cut-off line (resume the run first). The gzip header
+    holds no time stamp, so compressing the same lines twice gives the same bytes."""
+    path, gz = pathlib.Path(path), packed(path)
+    if not path.is_file():
+        return False
+    data = read_bytes(path)
+    if data and not data.endswith(b"\n"):
+        raise ValueError(f"{path} ends in a cut-off line: rerun the audit to finish it before compressing")
+    tmp = gz.with_name(gz.name + ".tmp")
+    tmp.write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
+    os.replace(tmp, gz)
+    path.unlink()
+    return True
+
+
 class Ledger:
-    """Lines of one JSON-lines file, keyed by `key(line)`; `append` writes and records one.
+    """Lines of one JSON-lines file (and its compressed part), keyed by `key(line)`; `append` writes and
+    records one.
 
     A key seen twice in the file is an error (the file was edited or concatenated), since
     a rerun then could not tell which line holds."""
@@ -20,6 +61,9 @@ class Ledger:
         self.path, self.key = pathlib.Path(path), key
         self.lines: dict[Hashable, dict] = {}
         self.dropped_tail = b""
+        gz = packed(self.path)
+        if gz.exists():  # written whole by `compress`: no cut-off tail to look for
+            self._read(gzip.decompress(gz.read_bytes()), gz, unique)
         if self.path.exists():
             data = self.path.read_bytes()
             end = data.rfind(b"\n") + 1  # everything after the last newline is a cut-off write
@@ -30,19 +74,22 @@ class Ledger:
                     f.truncate(end)
                     f.flush()
                     os.fsync(f.fileno())
-            for number, raw in enumerate(data[:end].splitlines(), 1):
-                if not raw.strip():
-                    continue
-                try:
-                    line = json.loads(raw)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{self.path}:{number}: not a JSON line ({e}); the file was changed "
-                                     "by something other than the audit") from None
-                k = key(line)
-                if unique and k in self.lines:
-                    raise ValueError(f"{self.path}:{number}: {k} appears twice")
-                self.lines[k] = line
+            self._read(data[:end], self.path, unique)
         self._file = None
+
+    def _read(self, data: bytes, where: pathlib.Path, unique: bool) -> None:
+        for number, raw in enumerate(data.splitlines(), 1):
+            if not raw.strip():
+                continue
+            try:
+                line = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}:{number}: not a JSON line ({e}); the file was changed "
+                                 "by something other than the audit") from None
+            k = self.key(line)
+            if unique and k in self.lines:
+                raise ValueError(f"{where}:{number}: {k} appears twice")
+            self.lines[k] = line
 
     def __contains__(self, k) -> bool:
         return k in self.lines

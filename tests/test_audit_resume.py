@@ -153,3 +153,78 @@ def test_at_batch_one_the_quality_pass_is_the_interleaved_timing(env, tmp_path):
     assert "speed over the first 2 at batch 1" in table
     row = next(x for x in table.splitlines() if x.startswith("| exact |"))
     assert float(row.split("|")[-3]) > 0  # a speedup against target-only is reported
+
+    # timing rows lost after the fact (their writes failed on a full disk, say): the next sitting times
+    # those prompts again for the missing method; with no time left to do so, the table says "not timed"
+    speed_path = out_dir / "speed.jsonl"
+    kept = [x for x in speed_path.read_text().splitlines() if '"method": "csd"' not in x]
+    assert len(kept) == len(timed) - 2
+    speed_path.write_text("\n".join(kept) + "\n")
+    out, err = finish(audit(out_dir, env, "--batch_size", "1", "--humaneval_problems", "0",
+                            "--time_budget_minutes", "0.000001"))
+    assert "time budget reached: stopped timing MT-Bench before prompt 1" in err
+    table = (out_dir / "audit.md").read_text()
+    for method in METHODS:  # every method's speed cells: none is timed on every prompt by every method
+        row = next(x for x in table.splitlines() if x.startswith(f"| {method} |")).split("|")
+        assert row[-3].strip() == row[-2].strip() == "not timed", row
+    out, err = finish(audit(out_dir, env, "--batch_size", "1", "--humaneval_problems", "0"))
+    assert "MT-Bench/0 lacks the timing of csd: timed again now" in err
+    again = by_key(lines(speed_path), "part", "task_id", "method")
+    assert set(again) == set(timed) and {k: again[k] for k in timed if k[2] != "csd"} == \
+        {k: v for k, v in timed.items() if k[2] != "csd"}
+    table = (out_dir / "audit.md").read_text()
+    row = next(x for x in table.splitlines() if x.startswith("| exact |"))
+    assert float(row.split("|")[-3]) > 0 and "not timed" not in table
+
+
+def _tables(out_dir):
+    """audit.md without its first line (the sitting's wall time) and audit.csv."""
+    return (out_dir / "audit.md").read_text().split("\n", 1)[1], (out_dir / "audit.csv").read_text()
+
+
+def test_a_compressed_audit_keeps_its_lines_and_tables_and_resumes(env, whole, tmp_path):
+    import gzip
+    import shutil
+
+    from experiments import _jsonl as J
+
+    packed = tmp_path / "packed"
+    shutil.copytree(whole, packed)
+    names = sorted(p.name for p in whole.glob("*.jsonl"))
+    assert {"completions.jsonl", "batches.jsonl", "humaneval_results.jsonl"} <= set(names)
+    proc = subprocess.run([sys.executable, str(AUDIT), "--output_dir", str(packed), "--compress"], env=env,
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(packed.glob("*.jsonl")) and not (packed / "audit.json").exists()
+    for name in names:  # byte for byte
+        assert gzip.decompress((packed / f"{name}.gz").read_bytes()) == (whole / name).read_bytes()
+    assert json.loads(gzip.decompress((packed / "audit.json.gz").read_bytes())) == \
+        json.loads((whole / "audit.json").read_text())
+
+    out, err = finish(audit(packed, env))  # a rerun reads the compressed lines: nothing to decode
+    assert "18/18 completions already in" in err and " batch 1/" not in err
+    assert _tables(packed) == _tables(whole)
+    assert not (packed / "audit.json").exists()  # a compressed run writes its record compressed
+    assert json.loads(gzip.decompress((packed / "audit.json.gz").read_bytes()))["summary"] == \
+        json.loads((whole / "audit.json").read_text())["summary"]
+
+    # a compressed part of a run resumes: HumanEval's second batch taken out of every file, as if the
+    # run had been compressed before it; new lines go to plain files beside the .gz, and compressing
+    # again folds them in
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copy(whole / "run.json", part)
+    late = ("HumanEval/2", "HumanEval/3")
+    for name in names:
+        rows = [x for x in (whole / name).read_text().splitlines(keepends=True)
+                if not any(f'"{t}"' in x for t in late) and '"part": "humaneval", "batch": 1,' not in x]
+        (part / name).write_text("".join(rows))
+        J.compress(part / name)
+    out, err = finish(audit(part, env))
+    assert "12/18 completions already in" in err and "HumanEval batch 2/2" in err and "HumanEval batch 1/" not in err
+    assert (part / "completions.jsonl").exists() and (part / "completions.jsonl.gz").exists()
+    for name in names:
+        J.compress(part / name)
+    got = [json.loads(x) for x in gzip.decompress((part / "completions.jsonl.gz").read_bytes()).splitlines()]
+    assert by_key(got, "task_id", "method") == by_key(lines(whole / "completions.jsonl"), "task_id", "method")
+    assert not list(part.glob("*.jsonl"))

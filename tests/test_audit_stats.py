@@ -113,3 +113,36 @@ def test_ledger_drops_a_cut_off_last_line_and_refuses_edited_files(tmp_path):
     path.write_bytes(b'{"id": 1}\nnot json\n{"id": 2}\n')
     with pytest.raises(ValueError, match=r"x.jsonl:2: not a JSON line"):
         J.Ledger(path, lambda r: r["id"])
+
+
+def test_ledger_reads_its_compressed_part_and_appends_beside_it(tmp_path):
+    import gzip
+
+    path = tmp_path / "x.jsonl"
+    book = J.Ledger(path, lambda r: r["id"])
+    for i in (1, 2):
+        book.append({"id": i})
+    book.close()
+    whole = path.read_bytes()
+    assert J.compress(path) and not path.exists() and J.exists(path)
+    assert gzip.decompress(J.packed(path).read_bytes()) == whole
+    packed_once = J.packed(path).read_bytes()
+    book = J.Ledger(path, lambda r: r["id"])  # resumed: the compressed lines, then new plain ones
+    assert sorted(book.lines) == [1, 2]
+    book.append({"id": 3})
+    book.close()
+    assert path.read_bytes() == b'{"id": 3}\n' and J.read_bytes(path) == whole + b'{"id": 3}\n'
+    assert sorted(J.Ledger(path, lambda r: r["id"]).lines) == [1, 2, 3]
+    path.write_bytes(b'{"id": 2}\n')  # a key in both parts
+    with pytest.raises(ValueError, match=r"x.jsonl:1: 2 appears twice"):
+        J.Ledger(path, lambda r: r["id"])
+    path.write_bytes(b'{"id": 3}\n{"id": 4')  # a cut-off tail: finish the run before compressing
+    with pytest.raises(ValueError, match="cut-off line"):
+        J.compress(path)
+    path.write_bytes(b'{"id": 3}\n')
+    assert J.compress(path) and not J.compress(path)  # folded in; then nothing left to fold
+    assert gzip.decompress(J.packed(path).read_bytes()) == whole + b'{"id": 3}\n'
+    again = tmp_path / "y.jsonl"
+    again.write_bytes(whole)
+    J.compress(again)
+    assert J.packed(again).read_bytes() == packed_once  # no time stamp: the same lines, the same bytes

@@ -1,0 +1,157 @@
+"""The audit's files: its ledgers (JSON lines, appended as it goes, plain or compressed), the settings
+a rerun must share (run.json), copying from an earlier run (--reuse_from) and compressing a finished run
+(--compress: every X.jsonl -> X.jsonl.gz and audit.json -> audit.json.gz; a later run reads them and
+appends new lines beside them)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pathlib
+
+from absl import app
+
+from experiments import _common as C, _jsonl as J
+from experiments._audit_run import REFERENCE, Method, Part
+
+LEDGERS = {"completions": "completions.jsonl", "results": "humaneval_results.jsonl",
+           "logprob": "mtbench_logprob.jsonl", "speed": "speed.jsonl", "batches": "batches.jsonl",
+           "reused": "reused.jsonl"}
+
+# settings added after runs were recorded without them: a missing one had this value
+_SETTING_DEFAULTS = {"matmul": "auto"}
+
+
+def _settings_changed(before: dict, now: dict) -> list[str]:
+    return [f"--{k} {before.get(k, _SETTING_DEFAULTS.get(k))!r} -> {v!r}" for k, v in now.items()
+            if before.get(k, _SETTING_DEFAULTS.get(k)) != v]
+
+
+def check_settings(out_dir: pathlib.Path, now: dict) -> None:
+    """Records `now` as the run's settings in run.json, or refuses a rerun with other ones."""
+    path = out_dir / "run.json"
+    if path.exists():
+        before = json.loads(path.read_text())
+        was = {k: before.get(k, _SETTING_DEFAULTS.get(k)) for k in now}
+        changed = [f"--{k} {was[k]!r} -> {v!r}" for k, v in now.items() if was[k] != v]
+        if changed:
+            raise app.UsageError(f"{out_dir} holds an audit run with other settings ({'; '.join(changed)}); "
+                                 "rerun with the same flags to continue it, or use another --output_dir")
+    else:
+        path.write_text(json.dumps(now, indent=1) + "\n")
+
+
+def ledgers(out_dir: pathlib.Path, read_only: bool = False) -> dict[str, J.Ledger]:
+    """The run's JSON-lines files, keyed; read_only leaves a cut-off last line in place (another run's)."""
+    by_task = lambda r: (r["task_id"], r["method"])  # noqa: E731
+    by_batch = lambda r: (r["part"], r["batch"], r["method"])  # noqa: E731
+    paths = {k: out_dir / name for k, name in LEDGERS.items()}
+    return {"completions": J.Ledger(paths["completions"], by_task, read_only=read_only),
+            # a verdict may be rewritten after a kill between its write and its completion's
+            "results": J.Ledger(paths["results"], by_task, unique=False, read_only=read_only),
+            "logprob": J.Ledger(paths["logprob"], by_task, read_only=read_only),
+            "speed": J.Ledger(paths["speed"], lambda r: (r["part"], r["task_id"], r["method"]),
+                              read_only=read_only),
+            "batches": J.Ledger(paths["batches"], by_batch, unique=False, read_only=read_only),
+            "reused": J.Ledger(paths["reused"], by_task, read_only=read_only)}
+
+
+def check_reuse_source(source: pathlib.Path, out_dir: pathlib.Path, now: dict) -> None:
+    """--reuse_from must name another finished-or-not audit directory recorded with this run's settings."""
+    if source.resolve() == out_dir.resolve():
+        raise app.UsageError(f"--reuse_from {source}: that is --output_dir itself")
+    if not (source / "run.json").is_file() or not J.exists(source / "completions.jsonl"):
+        raise app.UsageError(f"--reuse_from {source}: not an audit output directory (no run.json and "
+                             "completions.jsonl(.gz) there)")
+    changed = _settings_changed(json.loads((source / "run.json").read_text()), now)
+    if changed:
+        raise app.UsageError(f"--reuse_from {source}: recorded with other settings ({'; '.join(changed)}); "
+                             "its completions are not what this run would decode")
+
+
+def reuse(source: pathlib.Path, parts: list[Part], methods: list[Method], books, batch_size: int) -> int:
+    """Copies the source run's completions of this run's (task, method) pairs; returns how many.
+
+    A pair is copied with target-only's line for its task (first_diff refers to it), so a task
+    whose target-only this run already decoded differently is left alone (it cannot happen with
+    the same settings; checked rather than assumed)."""
+    src = ledgers(source, read_only=True)
+    ours, copied = books["completions"], 0
+    for part in parts:
+        for bi, batch in enumerate(C.chunks(part.tasks, batch_size)):
+            taken = {m.spec: 0 for m in methods}  # rows of this batch copied now, per method
+            for t in batch:
+                ref = src["completions"].get((t.task_id, REFERENCE))
+                mine = ours.get((t.task_id, REFERENCE))
+                if ref is None or (mine is not None and mine["tokens"] != ref["tokens"]):
+                    continue
+                for m in methods:  # target-only first, so a copied line's reference is there
+                    key = (t.task_id, m.spec)
+                    line = src["completions"].get(key)
+                    if key in ours or line is None or (m.spec != REFERENCE and (t.task_id, REFERENCE) not in ours):
+                        continue
+                    if part.name == "humaneval":
+                        verdict = src["results"].get(key)
+                        if verdict is None:  # the source was killed between its two writes: decode it here
+                            continue
+                        books["results"].append(verdict)
+                    if key in src["logprob"]:
+                        books["logprob"].append(src["logprob"].get(key))
+                    ours.append(line)
+                    books["reused"].append({"task_id": t.task_id, "method": m.spec, "source": str(source)})
+                    taken[m.spec] += 1
+            for m in methods:  # a batch's time only where this run took the whole batch from the source
+                key = (part.name, bi, m.spec)
+                if taken[m.spec] == len(batch) and key in src["batches"] and key not in books["batches"]:
+                    books["batches"].append(src["batches"].get(key))
+            copied += sum(taken.values())
+    for b in src.values():
+        b.close()
+    return copied
+
+
+def record_path(out_dir: pathlib.Path) -> pathlib.Path:
+    """audit.json, or audit.json.gz in a compressed run (where a rerun writes its record compressed too)."""
+    return out_dir / ("audit.json.gz" if J.packed(out_dir / LEDGERS["completions"]).exists() else "audit.json")
+
+
+def write_record(out_dir: pathlib.Path, text: str) -> pathlib.Path:
+    """Writes audit.json (or .gz, see `record_path`) and removes the other form, left by an earlier sitting."""
+    path = record_path(out_dir)
+    if path.suffix == ".gz":
+        C.write_text(path.with_suffix(""), text)  # atomically, then compressed: a kill leaves one whole file
+        compress_record(out_dir)
+    else:
+        C.write_text(path, text)
+        (out_dir / "audit.json.gz").unlink(missing_ok=True)
+    return path
+
+
+def compress_record(out_dir: pathlib.Path) -> None:
+    plain = out_dir / "audit.json"
+    if plain.is_file():
+        tmp = out_dir / "audit.json.gz.tmp"
+        tmp.write_bytes(gzip.compress(plain.read_bytes(), compresslevel=9, mtime=0))
+        os.replace(tmp, out_dir / "audit.json.gz")
+        plain.unlink()
+
+
+def compress_run(out_dir: pathlib.Path) -> list[str]:
+    """--compress: folds every ledger of a run into its .jsonl.gz and audit.json into audit.json.gz; the
+    names of what was compressed. The lines are kept byte for byte (gzip), so the tables a rerun writes
+    from them are the same."""
+    if not (out_dir / "run.json").is_file():
+        raise app.UsageError(f"--compress {out_dir}: not an audit output directory (no run.json there)")
+    done = []
+    for name in LEDGERS.values():
+        try:
+            if J.compress(out_dir / name):
+                done.append(name)
+        except ValueError as e:
+            raise app.UsageError(f"--compress: {e}") from None
+    if (out_dir / "audit.json").is_file():
+        compress_record(out_dir)
+        done.append("audit.json")
+    return done
+
