@@ -52,3 +52,20 @@ def test_a_committed_audit_table_regenerates_from_its_compressed_lines(name):
         b.close()
     table = T.markdown(parts, summaries, 0.0, settings, "this machine")
     assert _method_rows(table) == _method_rows((out / "audit.md").read_text())
+
+
+def test_results_stay_small():
+    total = sum(p.stat().st_size for p in RESULTS.rglob("*") if p.is_file())
+    assert total < 5 * 2**20, f"experiments/results holds {total / 2**20:.1f} MiB; compress audits with --compress"
+
+
+def test_the_pareto_plot_is_a_small_palette_png(tmp_path):
+    from PIL import Image
+
+    rows = {"target-only": {"speedup_vs_target_only": 1.0, "pass_at_1": 0.7},
+            "exact": {"speedup_vs_target_only": 1.3, "pass_at_1": 0.7},
+            "fly": {"speedup_vs_target_only": 2.0, "pass_at_1": 0.5}}
+    T.plot_front(rows, tmp_path / "pareto.png")
+    image = Image.open(tmp_path / "pareto.png")
+    assert image.mode == "P" and image.size == (1080, 576)
+    assert (tmp_path / "pareto.png").stat().st_size < 40_000
