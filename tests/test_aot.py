@@ -127,3 +127,30 @@ def test_count_mosaic_kernels():
     assert aot.count_mosaic_kernels(compiled) == 1
     assert aot.count_mosaic_kernels('%0 = stablehlo.custom_call @tpu_custom_call(%a)') == 1
     assert np.isclose(aot._bytes("20.73", "G"), 20.73 * 2 ** 30, rtol=1e-9)
+
+
+@pytest.mark.parametrize("target,draft", [("llama-3.1-70b", "llama-3.2-1b"), ("llama-3.1-405b", "llama-3.1-8b")])
+def test_hand_count_matches_the_plan_of_the_real_pairs(target, draft):
+    """The AOT table's hand counts (docs/wide_tp.md) are the plan's bytes per device, on (1, 8) and (2, 4)."""
+    import jax
+
+    from specjax import sharding
+    from specjax.models import catalog
+
+    for data, tp in ((1, 8), (2, 4)):
+        engine = specjax.Engine(models.abstract(target, jnp.bfloat16), draft=models.abstract(draft, jnp.bfloat16),
+                                method="fly", k=8, max_new_tokens=8, max_len=512, eos_ids=(),
+                                mesh=jax.make_mesh((data, tp), ("data", "model")))
+        report = sharding.memory_report(engine, 8, 512)
+        for key, name in (("target", target), ("draft", draft)):
+            hand = aot.hand_count(catalog.config(name), tp, data, 8, 512, 2)
+            assert report[f"{key}_params"] == hand["params"] and report[f"{key}_cache"] == hand["cache"], key
+
+
+def test_405b_has_its_published_size():
+    from specjax.models import catalog
+
+    c = catalog.config("llama-3.1-405b")
+    assert c.num_params() == 405_853_388_800  # meta-llama/Llama-3.1-405B: 405.85 B
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size) == (126, 16384, 128, 8, 53248)
+    assert c.rope_scaling.factor == 8.0 and c.rope_theta == 500000.0 and not c.tie_embeddings

@@ -40,7 +40,7 @@ Modules: `_rules` (the table, MeshConfig, per-model plans and parameter specs),
 
 from specjax.sharding._layout import Layout, describe, make_layout, place
 from specjax.sharding._memory import bytes_per_device, max_bytes_per_device, memory_report
-from specjax.sharding._pad import pad_heads, padded_counts
+from specjax.sharding._pad import pad_heads, padded_counts, repeat_kv_heads, repeated_kv_heads
 from specjax.sharding._rules import ATTENTION, CACHE_AXES, DRAFT, LOGITS_AXES, MESH_AXES, PARAM_AXES, ROWS_AXES
 from specjax.sharding._rules import MeshConfig, ModelPlan, ShardingRules
 from specjax.sharding._rules import auto_mesh, fit_spec, param_specs, plan_model, prepare_models
@@ -49,5 +49,5 @@ __all__ = [
     "ATTENTION", "CACHE_AXES", "DRAFT", "LOGITS_AXES", "MESH_AXES", "PARAM_AXES", "ROWS_AXES",
     "Layout", "MeshConfig", "ModelPlan", "ShardingRules", "auto_mesh", "bytes_per_device", "describe",
     "fit_spec", "make_layout", "max_bytes_per_device", "memory_report", "pad_heads", "padded_counts",
-    "param_specs", "place", "plan_model", "prepare_models",
+    "param_specs", "place", "plan_model", "prepare_models", "repeat_kv_heads", "repeated_kv_heads",
 ]
