@@ -83,6 +83,22 @@ def test_tiny_speculative_program_compiles_for_v5e_with_mosaic_kernels():
 
 @pytest.mark.tpu_aot
 @needs_libtpu
+def test_wide_tensor_parallel_program_compiles_for_v5e():
+    """8 query heads / 2 KV heads on 8 chips of "model": one KV head per chip (repeated), as counted."""
+    wide = Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                  num_kv_heads=2, head_dim=16)
+    mesh = aot.topology_mesh("v5e:2x4")
+    engine = specjax.Engine(models.abstract(wide, jnp.bfloat16), draft=("pld", models.abstract(wide, jnp.bfloat16)),
+                            method="fly", k=4, max_new_tokens=16, max_len=64, mesh=mesh, eos_ids=())
+    assert engine.target.config.num_kv_heads == 8 and engine.layout.target.attention_sharded
+    report = aot.compile_report(engine, [[1] * 8] * 4, "v5e:2x4")
+    assert report.compiled and report.fits and report.chips == 8 and report.mosaic_kernels >= 1
+    hand = aot.hand_count(wide, 8, 1, 4, 64, 2)
+    assert report.params_bytes == 2 * hand["params"] and report.cache_bytes == 2 * hand["cache"]
+
+
+@pytest.mark.tpu_aot
+@needs_libtpu
 @pytest.mark.parametrize("method, mesh_shape", [
     ("asd", (2, 2)), pytest.param("asd", (4, 1), marks=pytest.mark.heavy),
     pytest.param("csd", (1, 4), marks=pytest.mark.heavy)])
@@ -113,6 +129,8 @@ def test_topology_errors():
     (["--topology=v5e:9x9x9x9"], "unknown topology"),
     (["--topology=v5e:2x2", "--mesh=2,4"], "does not match topology"),
     (["--topology=v5e:2x2", "--model=llama-9"], "unknown model 'llama-9'"),
+    (["--topology=v5e:2x2", "--model=smollm2-135m-instruct", "--draft=pld", "--attention=repeat_kv"],
+     "9 query heads / 3 KV heads cannot be placed on a model axis of 4"),
 ])
 def test_binary_errors_are_clear(flags, message):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path), JAX_PLATFORMS="cpu")
