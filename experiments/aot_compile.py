@@ -21,6 +21,10 @@ The prompts fill half of --max_len (the rest is the generation budget); --draft 
 none, pld, a model, or pld+MODEL (FLy's multi-level drafting). A draft with a
 narrower embedding table than the target's (Qwen2.5 0.5B/1.5B: 151936 ids, 7B:
 152064; one tokenizer) is padded to the target's (`models.pad_vocab`).
+--attention places the heads (default auto: where the model axis is wider than the KV
+heads, each chip gets H/TP query heads and a copy of the KV head they read, docs/wide_tp.md);
+--fsdp also splits the target's weights over the data axis of --mesh. Beside the planned
+parameters and caches the table prints a hand count (`aot.hand_count`) of the same.
 The last line is `RESULT {json}`; with --require_fit the exit status is 1 when the
 program does not fit the chip's HBM.
 """
