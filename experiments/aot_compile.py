@@ -21,6 +21,10 @@ The prompts fill half of --max_len (the rest is the generation budget); --draft 
 none, pld, a model, or pld+MODEL (FLy's multi-level drafting). A draft with a
 narrower embedding table than the target's (Qwen2.5 0.5B/1.5B: 151936 ids, 7B:
 152064; one tokenizer) is padded to the target's (`models.pad_vocab`).
+--attention places the heads (default auto: where the model axis is wider than the KV
+heads, each chip gets H/TP query heads and a copy of the KV head they read, docs/wide_tp.md);
+--fsdp also splits the target's weights over the data axis of --mesh. Beside the planned
+parameters and caches the table prints a hand count (`aot.hand_count`) of the same.
 The last line is `RESULT {json}`; with --require_fit the exit status is 1 when the
 program does not fit the chip's HBM.
 """
@@ -45,6 +49,10 @@ _K = flags.DEFINE_integer("k", 8, "Draft tokens per round.")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Prompts per batch.")
 _MAX_LEN = flags.DEFINE_integer("max_len", 4096, "Cache length (prompt + generated tokens).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Parameter, cache and compute dtype.")
+_ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "replicate", "pad", "repeat_kv"],
+                               "How the heads are placed on the model axis (sharding.MeshConfig.attention): auto "
+                               "shards them, repeating KV heads when the model axis is wider than G.")
+_FSDP = flags.DEFINE_bool("fsdp", False, "Also split the target's weights over the data axis (gathered per layer).")
 _REQUIRE_FIT = flags.DEFINE_bool("require_fit", False, "Exit with status 1 when the program does not fit HBM.")
 
 
@@ -86,7 +94,7 @@ def main(argv):
     import jax.numpy as jnp
 
     import specjax
-    from specjax import aot
+    from specjax import aot, sharding
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[_DTYPE.value]
     topology = _TOPOLOGY.value
@@ -108,20 +116,31 @@ def main(argv):
     max_new = S - prompt_len - K - 1
     if max_new < 1:
         sys.exit(f"error: --max_len {S} leaves no room for generation with k={K}")
-    engine = specjax.Engine(target, draft=draft, method=_METHOD.value, k=K, max_new_tokens=max_new, max_len=S,
-                            mesh=mesh, eos_ids=(), prompt_bucket=prompt_len)
+    mesh_config = sharding.MeshConfig(mesh, attention=_ATTENTION.value, fsdp=_FSDP.value)
+    try:
+        engine = specjax.Engine(target, draft=draft, method=_METHOD.value, k=K, max_new_tokens=max_new, max_len=S,
+                                mesh=mesh_config, eos_ids=(), prompt_bucket=prompt_len)
+    except ValueError as e:  # heads the attention mode cannot place
+        sys.exit(f"error: {e}")
     prompts = [[1] * prompt_len for _ in range(B)]
     try:
         r = aot.compile_report(engine, prompts, topology)
     except NotImplementedError as e:  # e.g. a Mosaic kernel GSPMD cannot partition
         sys.exit(f"error: the program does not compile for {topology}: {str(e).splitlines()[0]}")
     data, model = mesh.devices.shape
+    itemsize = jnp.dtype(dtype).itemsize
+    hand = aot.hand_count(engine.target.config, model, data, B, S, itemsize, _FSDP.value)
+    draft_cfg = getattr(engine.drafter, "config", None) or getattr(getattr(engine.drafter, "model", None), "config", None)
+    if draft_cfg is not None:
+        d = aot.hand_count(draft_cfg, model, data, B, S, itemsize)
+        hand = {k: hand[k] + d[k] for k in hand}
     rows = [
         ("topology", f"{topology} ({r.chips} chips, mesh data={data} model={model})"),
         ("target / draft", f"{_MODEL.value} / {draft_name}; {_METHOD.value}, K={K}, batch {B}, max_len {S}, "
                            f"{_DTYPE.value}"),
-        ("parameters (plan)", _gib(r.params_bytes)),
-        ("KV caches (plan)", _gib(r.cache_bytes)),
+        ("heads", sharding.describe(engine.layout).replace("\n", "; ")),
+        ("parameters (plan)", _gib(r.params_bytes) + f"  (hand count {_gib(hand['params'])})"),
+        ("KV caches (plan)", _gib(r.cache_bytes) + f"  (hand count {_gib(hand['cache'])})"),
         ("arguments (compiled)", _gib(r.argument_bytes)),
         ("temporaries (compiled)", _gib(r.temp_bytes) + ("" if r.compiled else " (the compiler's total minus parameters)")),
         ("outputs + code", _gib(r.output_bytes + r.code_bytes)),
@@ -137,6 +156,8 @@ def main(argv):
         print(f"{k:<{width}}  {v}")
     result = {"topology": topology, "chips": r.chips, "mesh": [data, model], "model": _MODEL.value,
               "draft": draft_name, "method": _METHOD.value, "dtype": _DTYPE.value,
+              "attention": _ATTENTION.value, "fsdp": _FSDP.value, "params_bytes": r.params_bytes,
+              "cache_bytes": r.cache_bytes, "hand_params_bytes": hand["params"], "hand_cache_bytes": hand["cache"],
               "mosaic_kernels": r.mosaic_kernels, "bytes_per_device": r.bytes_per_device,
               "hbm_bytes_per_device": r.hbm_bytes, "fits": r.fits}
     print("RESULT " + json.dumps(result), flush=True)

@@ -145,6 +145,25 @@ class CompileReport:
         return self.bytes_per_device <= self.hbm_bytes
 
 
+def hand_count(config, model_axis: int, data_axis: int, batch: int, max_len: int, itemsize: int,
+               fsdp: bool = False) -> dict[str, int]:
+    """Parameters and KV cache bytes per device, counted from the shapes by hand (not from a plan),
+    for a model whose every dimension divides its mesh axes, heads placed as `sharding` places them
+    on a model axis TP: H/TP query heads and lcm(G, TP)/TP KV heads per device (a KV head repeated
+    where TP > G, docs/wide_tp.md); MLP and vocabulary split TP ways; norms replicated; with fsdp
+    every weight also split DATA ways; the cache's rows split over "data" (k, v and int32 lengths).
+    """
+    D, H, G, Dh = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    F, V, L = config.intermediate_size, config.vocab_size, config.num_layers
+    kv = math.lcm(G, model_axis) // model_axis
+    layer = 2 * D * (H // model_axis) * Dh + 2 * D * kv * Dh + 3 * D * (F // model_axis) + 2 * D
+    params = L * layer + D * (V // model_axis) * (1 if config.tie_embeddings else 2) + D
+    if fsdp:
+        params //= data_axis
+    rows = batch // data_axis
+    return {"params": params * itemsize, "cache": 2 * L * rows * max_len * kv * Dh * itemsize + 4 * rows}
+
+
 def compile_report(engine, prompts, topology: str) -> CompileReport:
     """Lowers and compiles `engine`'s whole generation program for its (topology) mesh."""
     import time

@@ -83,6 +83,22 @@ def test_tiny_speculative_program_compiles_for_v5e_with_mosaic_kernels():
 
 @pytest.mark.tpu_aot
 @needs_libtpu
+def test_wide_tensor_parallel_program_compiles_for_v5e():
+    """8 query heads / 2 KV heads on 8 chips of "model": one KV head per chip (repeated), as counted."""
+    wide = Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+                  num_kv_heads=2, head_dim=16)
+    mesh = aot.topology_mesh("v5e:2x4")
+    engine = specjax.Engine(models.abstract(wide, jnp.bfloat16), draft=("pld", models.abstract(wide, jnp.bfloat16)),
+                            method="fly", k=4, max_new_tokens=16, max_len=64, mesh=mesh, eos_ids=())
+    assert engine.target.config.num_kv_heads == 8 and engine.layout.target.attention_sharded
+    report = aot.compile_report(engine, [[1] * 8] * 4, "v5e:2x4")
+    assert report.compiled and report.fits and report.chips == 8 and report.mosaic_kernels >= 1
+    hand = aot.hand_count(wide, 8, 1, 4, 64, 2)
+    assert report.params_bytes == 2 * hand["params"] and report.cache_bytes == 2 * hand["cache"]
+
+
+@pytest.mark.tpu_aot
+@needs_libtpu
 @pytest.mark.parametrize("method, mesh_shape", [
     ("asd", (2, 2)), pytest.param("asd", (4, 1), marks=pytest.mark.heavy),
     pytest.param("csd", (1, 4), marks=pytest.mark.heavy)])
@@ -113,6 +129,8 @@ def test_topology_errors():
     (["--topology=v5e:9x9x9x9"], "unknown topology"),
     (["--topology=v5e:2x2", "--mesh=2,4"], "does not match topology"),
     (["--topology=v5e:2x2", "--model=llama-9"], "unknown model 'llama-9'"),
+    (["--topology=v5e:2x2", "--model=smollm2-135m-instruct", "--draft=pld", "--attention=repeat_kv"],
+     "9 query heads / 3 KV heads cannot be placed on a model axis of 4"),
 ])
 def test_binary_errors_are_clear(flags, message):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path), JAX_PLATFORMS="cpu")
@@ -127,3 +145,30 @@ def test_count_mosaic_kernels():
     assert aot.count_mosaic_kernels(compiled) == 1
     assert aot.count_mosaic_kernels('%0 = stablehlo.custom_call @tpu_custom_call(%a)') == 1
     assert np.isclose(aot._bytes("20.73", "G"), 20.73 * 2 ** 30, rtol=1e-9)
+
+
+@pytest.mark.parametrize("target,draft", [("llama-3.1-70b", "llama-3.2-1b"), ("llama-3.1-405b", "llama-3.1-8b")])
+def test_hand_count_matches_the_plan_of_the_real_pairs(target, draft):
+    """The AOT table's hand counts (docs/wide_tp.md) are the plan's bytes per device, on (1, 8) and (2, 4)."""
+    import jax
+
+    from specjax import sharding
+    from specjax.models import catalog
+
+    for data, tp in ((1, 8), (2, 4)):
+        engine = specjax.Engine(models.abstract(target, jnp.bfloat16), draft=models.abstract(draft, jnp.bfloat16),
+                                method="fly", k=8, max_new_tokens=8, max_len=512, eos_ids=(),
+                                mesh=jax.make_mesh((data, tp), ("data", "model")))
+        report = sharding.memory_report(engine, 8, 512)
+        for key, name in (("target", target), ("draft", draft)):
+            hand = aot.hand_count(catalog.config(name), tp, data, 8, 512, 2)
+            assert report[f"{key}_params"] == hand["params"] and report[f"{key}_cache"] == hand["cache"], key
+
+
+def test_405b_has_its_published_size():
+    from specjax.models import catalog
+
+    c = catalog.config("llama-3.1-405b")
+    assert c.num_params() == 405_853_388_800  # meta-llama/Llama-3.1-405B: 405.85 B
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.intermediate_size) == (126, 16384, 128, 8, 53248)
+    assert c.rope_scaling.factor == 8.0 and c.rope_theta == 500000.0 and not c.tie_embeddings

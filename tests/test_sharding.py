@@ -173,9 +173,14 @@ def test_memory_report_counts_caches_per_device():
     one = specjax.Engine(target, draft=draft, method="fly", k=2, max_new_tokens=4)
     sharded = specjax.Engine(target, draft=draft, method="fly", k=2, max_new_tokens=4, mesh=mesh(2, 4))
     r1, r8 = sharding.memory_report(one, 8, 64), sharding.memory_report(sharded, 8, 64)
-    # target cache: batch over data (2) and kv heads (4 of 4) over model (4); draft: 2 kv heads replicate
+    # target cache: batch over data (2) and kv heads (4 of 4) over model (4); draft: its 2 kv heads
+    # repeated to 4 (wide tensor parallelism), one per device: a quarter, as the target's
     assert r8["target_cache"] < r1["target_cache"] / 7
-    assert r1["draft_cache"] / 2 - 16 <= r8["draft_cache"] <= r1["draft_cache"] / 2 + 16
+    assert r1["draft_cache"] / 4 <= r8["draft_cache"] <= r1["draft_cache"] / 4 + 16
+    replicated = specjax.Engine(target, draft=draft, method="fly", k=2, max_new_tokens=4,
+                                mesh=sharding.MeshConfig(mesh(2, 4), attention="replicate"))
+    r_rep = sharding.memory_report(replicated, 8, 64)  # both kv heads on every device: only the batch splits
+    assert r1["draft_cache"] / 2 - 16 <= r_rep["draft_cache"] <= r1["draft_cache"] / 2 + 16
     assert r8["target_params"] < r1["target_params"] / 3
     assert r8["total"] == sum(v for k, v in r8.items() if k != "total")
 

@@ -120,11 +120,13 @@ def test_tiny_model_tokens_equal_one_device(tiny, method, drafter, mesh_shape):
         assert out.stats["rounds_per_request"] == one.stats["rounds_per_request"]
         assert out.stats.get("loose") == one.stats.get("loose")
     model_axis = mesh_shape[1]
-    # 8 heads / 4 kv heads: attention is sharded on model axes 2 and 4, replicated on 8
-    assert engine.layout.target.attention_sharded == (model_axis in (1, 2, 4))
+    # 8 heads / 4 kv heads: attention is sharded on model axes 2 and 4, and on 8 with each kv head
+    # repeated twice (wide tensor parallelism: one per device, tests/test_sharding_wide.py)
+    assert engine.layout.target.attention_sharded
+    assert engine.target.config.num_kv_heads == max(4, model_axis)
     assert engine.layout.vocab_sharded == (model_axis > 1)
     if model_axis > 1:
-        assert_partitioned(engine, TINY_PROMPTS, attention=model_axis == 4)
+        assert_partitioned(engine, TINY_PROMPTS, attention=True)
         # the verify rules reduce the vocabulary-sharded logits per shard
         assert engine.layout.vocab_sharding is not None and engine.layout.vocab_sharding.vocab_axis == "model"
 
@@ -137,7 +139,8 @@ def test_padded_heads_on_a_model_axis_they_do_not_divide(tiny):
     assert (engine.target.config.num_heads, engine.target.config.num_kv_heads) == (16, 8)
     assert engine.layout.target.attention_sharded and engine.layout.draft.attention_sharded
     replicated = specjax.Engine(target, draft=draft, method="asd", k=2, max_new_tokens=8, eos_ids=(),
-                                mesh=jax.make_mesh((1, 8), ("data", "model")))
+                                mesh=sharding.MeshConfig(jax.make_mesh((1, 8), ("data", "model")),
+                                                         attention="replicate"))
     padded_report = sharding.memory_report(engine, 8, 64)
     replicated_report = sharding.memory_report(replicated, 8, 64)
     assert padded_report["target_cache"] < replicated_report["target_cache"] / 3  # 1 kv head per device, not 4

@@ -54,12 +54,13 @@ _SMOLLM2_135M = {
 }
 
 # name -> config.json (Hugging Face repositories meta-llama/Llama-3.2-1B, meta-llama/Llama-3.1-8B,
-# meta-llama/Llama-3.1-70B, Qwen/Qwen2.5-7B, Qwen/Qwen2.5-Coder-{0.5B,1.5B,7B}[-Instruct],
+# meta-llama/Llama-3.1-70B, meta-llama/Llama-3.1-405B, Qwen/Qwen2.5-7B, Qwen/Qwen2.5-Coder-{0.5B,1.5B,7B}[-Instruct],
 # HuggingFaceTB/SmolLM2-135M-Instruct).
 HF_CONFIGS: dict[str, dict] = {
     "llama-3.2-1b": _llama3(2048, 8192, 16, 32, 8, True, 32.0, head_dim=64),
     "llama-3.1-8b": _llama3(4096, 14336, 32, 32, 8, False, 8.0),
     "llama-3.1-70b": _llama3(8192, 28672, 80, 64, 8, False, 8.0),
+    "llama-3.1-405b": _llama3(16384, 53248, 126, 128, 8, False, 8.0),
     "qwen2.5-7b": _qwen2(3584, 18944, 28, 28, 4, False, 152064, 131072),
     "qwen2.5-coder-7b": _qwen2(3584, 18944, 28, 28, 4, False, 152064, 32768),
     "qwen2.5-coder-1.5b": _qwen2(1536, 8960, 28, 12, 2, True, 151936, 32768, sliding=32768),

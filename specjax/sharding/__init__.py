@@ -9,13 +9,17 @@ dimensions to mesh axes, as jax-llm-examples' llama3 does:
 
 and refuses a table that would put one mesh axis on two dimensions of one
 array. `plan_model` adapts the table to a model: the attention is tensor-
-parallel only where both the query heads H and the KV heads G divide the
-model axis (SmolLM2's 9/3 heads do not divide 2, 4 or 8); otherwise
-(`MeshConfig(attention="auto")`) the attention weights and the KV cache's head
-axis are replicated while the MLP and the vocabulary stay sharded, or
-(`attention="pad"`) `pad_heads` appends zero heads until they divide. Either
-way the tokens stay those of one device. Any other dimension that does not
-divide its mesh axes is replicated too.
+parallel where both the query heads H and the KV heads G divide the model axis
+TP. Where TP is wider than G (Llama-3.1-70B's 8 KV heads on 16 chips),
+`prepare_models` repeats each KV head for the chips whose query heads read it
+(`repeat_kv_heads`, wide tensor parallelism: H/TP query heads and one KV head
+per chip; `attention="auto"` or `"repeat_kv"`, docs/wide_tp.md). Where neither
+works (SmolLM2's 9/3 heads on 2, 4 or 8) `"auto"` replicates the attention
+weights and the KV cache's head axis while the MLP and the vocabulary stay
+sharded, or (`attention="pad"`) `pad_heads` appends zero heads until they
+divide. Every way the tokens stay those of one device. Any other dimension that
+does not divide its mesh axes is replicated too. `MeshConfig(fsdp=True)` also
+splits the target's weights over "data" (gathered per layer in the program).
 
 `make_layout` builds the `Layout` the engine compiles with: `NamedSharding`s of
 the parameters (float arrays and block-quantized `quant.BlockQuant` leaves),
@@ -35,12 +39,13 @@ constrains caches and logits; XLA inserts the collectives. Multi-process runs
 process reads them.
 
 Modules: `_rules` (the table, MeshConfig, per-model plans and parameter specs),
-`_layout` (Layout, placing arrays), `_memory` (bytes per device), `_pad` (zero heads).
+`_layout` (Layout, placing arrays), `_memory` (bytes per device), `_pad` (zero heads,
+repeated KV heads).
 """
 
 from specjax.sharding._layout import Layout, describe, make_layout, place
 from specjax.sharding._memory import bytes_per_device, max_bytes_per_device, memory_report
-from specjax.sharding._pad import pad_heads, padded_counts
+from specjax.sharding._pad import pad_heads, padded_counts, repeat_kv_heads, repeated_kv_heads
 from specjax.sharding._rules import ATTENTION, CACHE_AXES, DRAFT, LOGITS_AXES, MESH_AXES, PARAM_AXES, ROWS_AXES
 from specjax.sharding._rules import MeshConfig, ModelPlan, ShardingRules
 from specjax.sharding._rules import auto_mesh, fit_spec, param_specs, plan_model, prepare_models
@@ -49,5 +54,5 @@ __all__ = [
     "ATTENTION", "CACHE_AXES", "DRAFT", "LOGITS_AXES", "MESH_AXES", "PARAM_AXES", "ROWS_AXES",
     "Layout", "MeshConfig", "ModelPlan", "ShardingRules", "auto_mesh", "bytes_per_device", "describe",
     "fit_spec", "make_layout", "max_bytes_per_device", "memory_report", "pad_heads", "padded_counts",
-    "param_specs", "place", "plan_model", "prepare_models",
+    "param_specs", "place", "plan_model", "prepare_models", "repeat_kv_heads", "repeated_kv_heads",
 ]

@@ -70,6 +70,12 @@ class Layout:
         specs = param_specs(params, plan, self.mesh)
         return jax.tree.map(self.named, specs, is_leaf=lambda s: isinstance(s, P))
 
+    @property
+    def deviceless(self) -> bool:
+        """The mesh describes chips this host does not run (a TPU topology, for AOT compilation):
+        host-memory checks do not apply; the TPU compiler checks each chip's HBM."""
+        return _deviceless(self.replicated)
+
     def check_batch(self, batch_size: int) -> None:
         n = self.data_size
         if batch_size % n:
@@ -82,7 +88,7 @@ class Layout:
 def make_layout(mesh_config: MeshConfig, target: Config, draft: Config | None = None) -> Layout:
     mesh = auto_mesh(mesh_config.mesh)
     rules = mesh_config.rules
-    t = plan_model(target, mesh, rules, mesh_config.attention, what="target")
+    t = plan_model(target, mesh, rules, mesh_config.attention, what="target", fsdp=mesh_config.fsdp)
     d = None
     if draft is not None:
         d = plan_model(draft, mesh, rules, mesh_config.attention, replicate=mesh_config.draft == "replicate",

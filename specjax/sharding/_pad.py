@@ -1,4 +1,5 @@
-"""Zero heads appended so that the head counts divide the model axis (`attention="pad"`).
+"""Head counts made to divide the model axis: zero heads appended (`attention="pad"`), or
+each KV head repeated for the chips whose query heads read it (`attention="repeat_kv"`).
 
 SmolLM2 has 9 query / 3 KV heads, which divide no model axis of 2, 4 or 8. Rather
 than replicating the attention (and the KV cache) on every device of the model
@@ -13,12 +14,26 @@ the same function; only the summation order of the output projection changes (as
 any tensor-parallel contraction does). The grouping (query head h reads KV head
 h // Q) is kept because whole groups are appended after the real ones. The cost:
 G'/G times the attention work and cache, split over the model axis.
+
+Wide tensor parallelism (`repeat_kv_heads`, docs/wide_tp.md): with more chips TP on the
+model axis than KV heads G (Llama-3.1-70B's 8 KV heads on 16 chips), each chip takes
+H / TP query heads and a copy of the one KV head they read. Repeating every KV head
+r = G' / G times in place (G' = lcm(G, TP)) does exactly that: query head h reads KV
+head h // (H / G') of the repeated model, a copy of its original h // (H / G), so the
+function is the same bit for bit; H and G' both divide TP, so the ordinary rules split
+the attention, and each chip holds G' / TP KV heads of weights and cache, not all G.
+It needs H % G' == 0 (a chip's query heads all read one KV head).
+
+Both work on real models (NumPy or jax arrays) and abstract ones (`jax.ShapeDtypeStruct`
+leaves: the shapes change, nothing is allocated).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.models import quant
@@ -34,6 +49,8 @@ def padded_counts(config: Config, model_axis: int) -> tuple[int, int]:
 
 
 def _pad_axis(x, axis: int, new: int):
+    if isinstance(x, jax.ShapeDtypeStruct):  # an abstract model: only the shape grows
+        return jax.ShapeDtypeStruct(x.shape[:axis] + (new,) + x.shape[axis + 1:], x.dtype)
     x = np.asarray(x)
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, new - x.shape[axis])
@@ -92,3 +109,69 @@ def pad_heads(model: Model, model_axis: int) -> Model:
     config = dataclasses.replace(c, num_heads=H2, num_kv_heads=G2)
     return model.with_params({**model.params, "layers": layers}, config=config,
                              name=f"{model.name}+pad{H2}/{G2}" if model.name else model.name)
+
+
+# --- KV heads repeated (wide tensor parallelism) --------------------------------------
+
+
+def repeated_kv_heads(config: Config, model_axis: int) -> int | None:
+    """G' = lcm(G, model_axis), the KV heads of the repeated model, or None where it cannot
+    be placed: a chip's H / model_axis query heads must all read one KV head (H % G' == 0)."""
+    G = config.num_kv_heads
+    G2 = np.lcm(G, model_axis).item()
+    return G2 if config.num_heads % G2 == 0 else None
+
+
+def _repeat(x, axis: int, r: int, unit: int = 1):
+    """`x` with each block of `unit` entries along `axis` repeated `r` times in place
+    (unit: the flattened (heads, head_dim) axis of a quantized weight repeats whole heads)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[:axis] + (x.shape[axis] * r,) + x.shape[axis + 1:], x.dtype)
+    xp = jnp if isinstance(x, jax.Array) else np  # a placed array stays on its devices
+    x = x if xp is jnp else np.asarray(x)
+    axis %= x.ndim
+    n = x.shape[axis] // unit
+    split = xp.reshape(x, x.shape[:axis] + (n, unit) + x.shape[axis + 1:])
+    return xp.reshape(xp.repeat(split, r, axis=axis), x.shape[:axis] + (n * r * unit,) + x.shape[axis + 1:])
+
+
+def _repeat_quant(w: quant.BlockQuant, head_axis: int, r: int) -> quant.BlockQuant:
+    """A block-quantized wk / wv [D, G, Dh]: the KV heads are outputs, the last axis of its
+    codes and scales flattened as (G, Dh); whole heads are repeated, codes and scales alike."""
+    shape = list(w.shape)
+    n_in = w.codes.shape[-3] * w.codes.shape[-2]
+    split = next(i for i in range(1, len(shape)) if int(np.prod(shape[:i])) == n_in)
+    if head_axis != split:
+        raise ValueError(f"cannot repeat KV heads at axis {head_axis} of a quantized weight {w.shape}")
+    unit = w.codes.shape[-1] // shape[head_axis]
+    shape[head_axis] *= r
+    rep = lambda a: None if a is None else _repeat(a, -1, r, unit)  # noqa: E731
+    return quant.BlockQuant(rep(w.codes), rep(w.scale), rep(w.offset), tuple(shape))
+
+
+_KV_PARAMS = tuple((name, axis) for name, axis, kind in _HEAD_PARAMS if kind == "kv")
+
+
+def repeat_kv_heads(model: Model, model_axis: int) -> Model:
+    """`model` with every KV head repeated G' / G times (G' = lcm(G, model_axis)) so that
+    each chip of a model axis wider than G holds the KV head its query heads read; the same
+    tokens. Raises ValueError when H does not allow it (`repeated_kv_heads` is None)."""
+    c = model.config
+    G2 = repeated_kv_heads(c, model_axis)
+    if G2 is None:
+        raise ValueError(f"{model.name or 'model'}: {c.num_heads} query heads / {c.num_kv_heads} KV heads cannot "
+                         f"be placed on a model axis of {model_axis}: each chip would hold "
+                         f"{c.num_heads}/{model_axis} query heads, which must be a whole number reading one KV "
+                         f"head (needs {c.num_heads} % lcm({c.num_kv_heads}, {model_axis}) == 0); "
+                         "use attention='pad' or 'replicate'")
+    r = G2 // c.num_kv_heads
+    if r == 1:
+        return model
+    layers = dict(model.params["layers"])
+    for name, axis in _KV_PARAMS:
+        if name in layers:
+            w = layers[name]
+            layers[name] = _repeat_quant(w, axis, r) if isinstance(w, quant.BlockQuant) else _repeat(w, axis + 1, r)
+    config = dataclasses.replace(c, num_kv_heads=G2)
+    return model.with_params({**model.params, "layers": layers}, config=config,
+                             name=f"{model.name}+kv{G2}" if model.name else model.name)

@@ -13,7 +13,9 @@ from specjax.models import quant
 from specjax.models.config import Config
 
 MESH_AXES = ("data", "model")
-ATTENTION = ("auto", "replicate", "pad")  # "auto": shard heads when H and G divide the model axes
+# "auto": shard the heads when H and G divide the model axis, else repeat the KV heads where that
+# places them (wide tensor parallelism: more chips than KV heads), else replicate the attention
+ATTENTION = ("auto", "replicate", "pad", "repeat_kv")
 DRAFT = ("shard", "replicate")
 
 MeshAxes = Any  # a mesh axis name, a tuple of names, or None (replicated)
@@ -102,17 +104,27 @@ class MeshConfig:
     """What `Engine(mesh=...)` accepts besides a bare Mesh.
 
     attention: "auto" shards the heads over the model axis when both H and G divide
-    it, else replicates the attention; "replicate" always replicates it; "pad"
-    appends zero heads until they divide (`pad_heads`: the same tokens, G'/G times
-    the attention work, but the attention weights and the KV cache are split).
+    it, else repeats the KV heads where that places them (as "repeat_kv"), else
+    replicates the attention; "replicate" always replicates it; "pad" appends zero
+    heads until they divide (`pad_heads`: the same tokens, G'/G times the attention
+    work, but the attention weights and the KV cache are split); "repeat_kv" gives
+    each chip H/TP query heads and a copy of the KV head they read when the model
+    axis TP is wider than G (`repeat_kv_heads`; an error where H does not allow it).
     draft: "shard" plans the draft model like the target; "replicate" keeps a full
     copy of it on every device (its cache still splits by batch over "data").
+    fsdp: the target's weights also split their embedding dimension over the batch
+    axes ("data"), FSDP-style: each device stores 1/DATA of its tensor-parallel shard
+    and the program gathers a layer's weights where it uses them, so every target
+    forward pass moves (DATA-1)/DATA of the model's per-chip shard over the data axis
+    (docs/wide_tp.md). For a target that does not fit on tensor parallelism alone;
+    the draft (run K times per round) is never split so.
     """
 
     mesh: Mesh
     rules: ShardingRules = ShardingRules()
     attention: str = "auto"
     draft: str = "shard"
+    fsdp: bool = False
 
     @classmethod
     def of(cls, mesh) -> "MeshConfig":
@@ -128,30 +140,69 @@ class MeshConfig:
             raise ValueError(f"attention must be one of {ATTENTION}, got {config.attention!r}")
         if config.draft not in DRAFT:
             raise ValueError(f"draft must be one of {DRAFT}, got {config.draft!r}")
+        if not isinstance(config.fsdp, bool):
+            raise TypeError(f"fsdp must be True or False, got {config.fsdp!r}")
+        if config.fsdp and not config.rules.mesh_axes("batch"):
+            raise ValueError("fsdp=True splits the weights over the batch axes, but the rules map 'batch' to none")
         config.rules.check(config.mesh)
         return config
 
 
 def prepare_models(mesh_config: MeshConfig, target, draft):
-    """(target, draft) as the engine runs them: with padded heads under attention="pad".
+    """(target, draft) as the engine runs them: with padded heads under attention="pad", with
+    repeated KV heads under "repeat_kv" (and under "auto" where that places the attention).
 
-    draft: anything `Engine` accepts; a Model (alone or in ("pld", Model)) is padded too
-    unless it is replicated.
+    draft: anything `Engine` accepts; a Model (alone or in ("pld", Model)) is prepared too
+    unless it is replicated. Raises ValueError, before anything compiles, for heads that
+    attention="repeat_kv" cannot place.
     """
-    if mesh_config.attention != "pad":
-        return target, draft
     from specjax.models.model import Model
-    from specjax.sharding._pad import pad_heads
 
-    mesh, rules = mesh_config.mesh, mesh_config.rules
-    n = math.lcm(rules.size(mesh, "heads"), rules.size(mesh, "kv_heads"))
-    target = pad_heads(target, n)
+    if mesh_config.attention in ("auto", "replicate") and not _wide(mesh_config):
+        return target, draft
+    target = _prepare(mesh_config, target, "target")
     if mesh_config.draft == "shard":
         if isinstance(draft, Model):
-            draft = pad_heads(draft, n)
+            draft = _prepare(mesh_config, draft, "draft")
         elif isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[1], Model):
-            draft = (draft[0], pad_heads(draft[1], n))
+            draft = (draft[0], _prepare(mesh_config, draft[1], "draft"))
     return target, draft
+
+
+def _wide(mesh_config: MeshConfig) -> bool:
+    """"auto" may repeat KV heads: heads and KV heads share their mesh axes (the default rules)."""
+    rules = mesh_config.rules
+    return (mesh_config.attention == "auto" and bool(rules.mesh_axes("heads"))
+            and rules.mesh_axes("heads") == rules.mesh_axes("kv_heads"))
+
+
+def _prepare(mesh_config: MeshConfig, model, what: str):
+    from specjax.sharding._pad import pad_heads, repeat_kv_heads, repeated_kv_heads
+
+    mesh, rules = mesh_config.mesh, mesh_config.rules
+    nh, ng = rules.size(mesh, "heads"), rules.size(mesh, "kv_heads")
+    if mesh_config.attention == "pad":
+        return pad_heads(model, math.lcm(nh, ng))
+    c = model.config
+    if mesh_config.attention == "repeat_kv":
+        if rules.mesh_axes("heads") != rules.mesh_axes("kv_heads"):
+            raise ValueError(f"attention='repeat_kv' needs heads and kv_heads on the same mesh axes, got "
+                             f"{rules.heads!r} and {rules.kv_heads!r}")
+        if _spans_processes(model.params):
+            raise ValueError(f"attention='repeat_kv': the {what}'s parameters were loaded per shard across "
+                             "processes (models.load(mesh=)), where KV heads are not repeated; load it without "
+                             "mesh= or use attention='auto'")
+        return repeat_kv_heads(model, nh)
+    # "auto": only where the heads do not divide as they are and repeating places them
+    if (c.num_heads % nh == 0 and c.num_kv_heads % ng == 0) or repeated_kv_heads(c, nh) is None:
+        return model
+    if _spans_processes(model.params):  # placed per shard already: its plan replicates the attention
+        return model
+    return repeat_kv_heads(model, nh)
+
+
+def _spans_processes(params) -> bool:
+    return any(isinstance(x, jax.Array) and not x.is_fully_addressable for x in jax.tree.leaves(params))
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:
@@ -177,16 +228,22 @@ class ModelPlan:
 
 
 def plan_model(config: Config, mesh: Mesh, rules: ShardingRules = ShardingRules(), attention: str = "auto",
-               replicate: bool = False, what: str = "model") -> ModelPlan:
+               replicate: bool = False, what: str = "model", fsdp: bool = False) -> ModelPlan:
     """Adapts `rules` to `config` on `mesh`: replicates what does not divide its mesh axes.
 
     replicate: every parameter replicated (only the batch axis keeps its rule).
+    fsdp: the embedding dimension of every weight goes on the batch axes too (`MeshConfig.fsdp`);
+    no activation, cache or logit has that logical axis, so only the parameters change.
     """
     if replicate:
         return ModelPlan(dataclasses.replace(rules, layers=None, embed=None, heads=None, kv_heads=None,
                                              head_dim=None, mlp=None, vocab=None, seq=None),
                          (f"{what}: replicated on every device",))
     notes, changes = [], {}
+    if fsdp and rules.size(mesh, "batch") > 1:
+        rules = dataclasses.replace(rules, embed=rules.batch)
+        notes.append(f"{what}: weights also split over {rules.batch!r} by their embedding dimension (fsdp): "
+                     "each layer's are gathered where it runs")
     H, G = config.num_heads, config.num_kv_heads
     nh, ng = rules.size(mesh, "heads"), rules.size(mesh, "kv_heads")
     if attention == "replicate":
@@ -195,6 +252,10 @@ def plan_model(config: Config, mesh: Mesh, rules: ShardingRules = ShardingRules(
     elif attention == "pad" and not (H % nh or G % ng):
         notes.append(f"{what}: attention sharded over {H} heads / {G} kv heads (zero heads padded where needed)")
     elif H % nh or G % ng:
+        if attention == "repeat_kv":  # prepare_models repeats them; a config it did not prepare is refused
+            raise ValueError(f"{what}: attention='repeat_kv' but {H} heads / {G} KV heads do not divide the model "
+                             f"axis ({nh}): its KV heads must be repeated first (sharding.prepare_models, which Engine applies; "
+                             "models.load(mesh=) loads per shard without repeating them: use attention='auto' there)")
         changes.update(heads=None, kv_heads=None)
         notes.append(f"{what}: {H} heads / {G} kv heads do not divide the model axis ({nh}/{ng}): "
                      "attention replicated, MLP and vocabulary stay sharded")
