@@ -248,7 +248,7 @@ def agreement(pred_NT2, labels_NT2, mask_NT2, k: int) -> dict:
 
 def train(cfg, train_params, frozen, data, val, work: pathlib.Path, *, make_optimizer, steps, batch, lr, warmup,
           weight_decay, clip, seed, log_every, eval_every, ckpt_every, k, stop_after=0, noise=0.1, reg_weight=1.0,
-          soft=0.0, chained=False):
+          soft=0.0, chained=False, diverged_hint=""):
     """Runs (or resumes) training; data/val = (tokens, feats, labels, mask). Returns the trained
     params (None after --stop_after). Appends to work/metrics.jsonl. soft > 0: the cross-entropy
     is against the target's softmax at that temperature over the draft's vocabulary (frozen holds
@@ -276,7 +276,8 @@ def train(cfg, train_params, frozen, data, val, work: pathlib.Path, *, make_opti
 
     return TL.run(train_params, optimizer, work, step_fn=step_fn, evaluate=evaluate, n=len(tokens),
                   tokens_per_row=float(mask.sum(1).mean()), steps=steps, batch=batch, seed=seed,
-                  log_every=log_every, eval_every=eval_every, ckpt_every=ckpt_every, stop_after=stop_after)
+                  log_every=log_every, eval_every=eval_every, ckpt_every=ckpt_every, stop_after=stop_after,
+                  diverged_hint=diverged_hint)
 
 
 def step_cost(target, draft, rounds: int, context: int = 256) -> dict:
