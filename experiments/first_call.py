@@ -20,7 +20,12 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
+
+try:  # imported as experiments.first_call or run as a script
+    from experiments import _paths
+except ImportError:
+    import _paths
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf or HF directory.")
 _NUM = flags.DEFINE_integer("num_prompts", 8, "HumanEval prompts (raw completion), the first N.")
@@ -70,6 +75,7 @@ def main(argv):
     if _CHILD.value:
         print("RESULT " + json.dumps(child()))
         return
+    _paths.check_output("cache_dir", _CACHE.value, dir=True)  # before any work
     from specjax import engine as engine_lib
 
     lengths = [int(x) for x in _LENGTHS.value] or [round(20 + i * (400 - 20) / 15) for i in range(16)]
@@ -102,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _paths.run(main)
