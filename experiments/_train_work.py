@@ -106,6 +106,7 @@ def check_record(work: pathlib.Path, *, data: dict, training: dict, steps: int) 
         if has_ckpt and old.get("steps") not in (None, steps):
             C.log(f"--steps={steps} differs from the work directory's {old['steps']}: the learning-rate "
                   f"schedule changes with it (warmup, then cosine decay to step {steps}), from the checkpoint on")
+    work.mkdir(parents=True, exist_ok=True)
     _paths.write_text(path, json.dumps({"data": data, "training": training, "steps": steps}, indent=1))
 
 
