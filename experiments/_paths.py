@@ -156,12 +156,11 @@ def one_line_errors() -> tuple[type, ...]:
     types = [app.UsageError, RunError]
     try:
         from specjax import _files
-        from specjax import models
+        from specjax.models import config, convert, model, presets
 
-        types.append(_files.LoadError)
-        types += [getattr(models, n) for n in ("LoadError", "CheckpointError", "MissingTensorError", "ConfigError",
-                                               "PresetError", "CacheError") if hasattr(models, n)]
-    except ImportError:  # pragma: no cover (specjax not importable: its own error will say so)
+        types += [_files.LoadError, convert.CheckpointError, convert.MissingTensorError, config.ConfigError,
+                  presets.PresetError, model.CacheError]
+    except (ImportError, AttributeError):  # pragma: no cover (a partial specjax: its own error will say so)
         pass
     return tuple(types)
 
