@@ -26,9 +26,11 @@ import numpy as np
 try:
     from experiments import _common as C
     from experiments import _train_loop as TL
+    from experiments._train_data import DAMAGED
 except ImportError:
     import _common as C
     import _train_loop as TL
+    from _train_data import DAMAGED
 
 
 def target_features(target, tokens_NT, batch: int = 8):
@@ -67,19 +69,29 @@ def cached_features(target, tokens_NT, work: pathlib.Path, chunk: int = 64):
     for c, lo in enumerate(range(0, len(tokens_NT), chunk)):
         part = np.ascontiguousarray(tokens_NT[lo: lo + chunk])
         path = out_dir / f"{hashlib.sha1(part.tobytes() + str(part.shape).encode() + owner).hexdigest()[:16]}.npz"
-        if not path.exists():
-            f, t = target_features(target, part)
-            if not np.isfinite(f.astype(np.float16)).all():  # float16 keeps +-65504
-                raise ValueError(f"features of chunk {c + 1} do not fit in float16; cannot cache them")
-            tmp = path.with_suffix(".tmp.npz")
-            np.savez(tmp, features=f.astype(np.float16), argmax=t)
-            tmp.replace(path)
-            made += part.size
-            el = time.perf_counter() - t0
-            C.log(f"features: chunk {c + 1}/{n_chunks}, {made} positions in {el:.0f}s ({made / el:.0f}/s)")
-        z = np.load(path)
-        feats.append(z["features"])
-        tops.append(z["argmax"])
+        if path.exists():
+            try:
+                with np.load(path) as z:  # read whole here: a flipped bit fails the zip CRC
+                    f_part, t_part = z["features"], z["argmax"]
+                if f_part.shape[:2] != part.shape or t_part.shape != part.shape:
+                    raise ValueError(f"shapes {f_part.shape}, {t_part.shape} for rows {part.shape}")
+                feats.append(f_part)
+                tops.append(t_part)
+                continue
+            except DAMAGED as e:
+                C.log(f"features: {path} is damaged ({type(e).__name__}: {e}); computing it again")
+                path.unlink()
+        f, t = target_features(target, part)
+        if not np.isfinite(f.astype(np.float16)).all():  # float16 keeps +-65504
+            raise ValueError(f"features of chunk {c + 1} do not fit in float16; cannot cache them")
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, features=f.astype(np.float16), argmax=t)
+        tmp.replace(path)
+        made += part.size
+        el = time.perf_counter() - t0
+        C.log(f"features: chunk {c + 1}/{n_chunks}, {made} positions in {el:.0f}s ({made / el:.0f}/s)")
+        feats.append(f.astype(np.float16))
+        tops.append(t)
     return np.concatenate(feats), np.concatenate(tops)
 
 

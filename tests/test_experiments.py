@@ -334,7 +334,8 @@ def test_notebook_runs_end_to_end_in_its_small_setting(env, tmp_path):
 
 ONE_LINE_ERRORS = {  # what main raises -> the one line the user reads
     "usage": ("raise app.UsageError('--k must be positive')", "error: --k must be positive"),
-    "run": ("raise _paths.RunError('step 7: loss nan: training diverged')", "error: step 7: loss nan: training diverged"),
+    "run": ("raise _paths.RunError('step 7: loss nan: training diverged')",
+            "error: step 7: loss nan: training diverged"),
     "load": ("raise _files.LoadError('/m/model.safetensors', 'invalid JSON in header')",
              "error: /m/model.safetensors: invalid JSON in header"),
     "tensor": ("raise convert.MissingTensorError('/m/model.safetensors: no tensor model.norm.weight')",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pathlib
 import re
 import shlex
 import signal
@@ -136,6 +137,20 @@ def test_a_damaged_data_chunk_is_named_and_made_again(target, tmp_path, capsys):
     assert all(np.array_equal(a, b) for a, b in zip(seqs, again, strict=True))
 
 
+def test_a_damaged_feature_chunk_is_named_and_computed_again(target, data, tmp_path, capsys):
+    from experiments import _feature_distill as FD
+
+    tokens, _ = data
+    feats, tops = FD.cached_features(target, tokens, tmp_path, chunk=4)
+    chunk = sorted((tmp_path / "features").iterdir())[0]
+    _flip_bit(chunk, at=chunk.stat().st_size // 3)
+    capsys.readouterr()
+    again, tops2 = FD.cached_features(target, tokens, tmp_path, chunk=4)
+    assert f"features: {chunk} is damaged" in capsys.readouterr().err
+    np.testing.assert_array_equal(again, feats)
+    np.testing.assert_array_equal(tops2, tops)
+
+
 # --- the work directory's record -------------------------------------------------------------------
 
 
@@ -240,29 +255,48 @@ def _start(args, env, **kw):
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, **kw)
 
 
-def test_outputs_that_cannot_be_written_fail_in_seconds_before_any_work(env, tmp_path):
+def test_outputs_that_cannot_be_written_are_refused_naming_the_path(tmp_path):
+    from absl import app
+
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    cases = [([f"--out={a_file}"], f"--out {a_file}: is a file; a directory is needed"),
-             ([f"--out={a_file}/d"], f"--out {a_file}/d: lies below {a_file}, which is a file"),
-             (["--out=/proc/specjax-draft"], "--out /proc/specjax-draft: cannot write in /proc"),
-             ([f"--out={other}"], f"--out {other}: a directory that holds other files, not a draft"),
-             ([f"--out={tmp_path}/d", f"--work_dir={a_file}"], f"--work_dir {a_file}: is a file"),
-             ([f"--out={tmp_path}/d", f"--work_dir={tmp_path}/d/w"], "lies inside --out"),
-             ([f"--out={tmp_path}/d", "--num_data_prompts=3"], "--num_data_prompts=3: training needs at least 4"),
-             ([f"--out={tmp_path}/d", "--lr=-1"], "--lr must be a positive number")]
-    for i in range(0, len(cases), 2):
-        t0 = time.monotonic()
-        procs = [(_start(["--target=random:tiny", *args], env), want) for args, want in cases[i: i + 2]]
-        for proc, want in procs:
-            _, err = proc.communicate(timeout=120)
-            assert proc.returncode == 1, err[-2000:]
-            assert err.strip().splitlines() == [f"error: {err.strip()[7:]}"] and want in err, err[-2000:]
-        assert time.monotonic() - t0 < 60  # seconds: the imports, nothing else
+    d = tmp_path / "d"
+    cases = [(a_file, d, f"--out {a_file}: is a file; a directory is needed"),
+             (a_file / "d", d, f"--out {a_file}/d: lies below {a_file}, which is a file"),
+             (tmp_path / "new" / "draft", d, None),  # fine: created at the export
+             (pathlib.Path("/proc/specjax-draft"), d, "--out /proc/specjax-draft: cannot write in /proc"),
+             (other, d, f"--out {other}: a directory that holds other files, not a draft"),
+             (d, a_file, f"--work_dir {a_file}: is a file"),
+             (d, d / "w", f"--work_dir {d / 'w'} lies inside --out {d}")]
+    for out, work, want in cases:
+        if want is None:
+            TW.check_paths(out, work)
+            continue
+        with pytest.raises(app.UsageError) as e:
+            TW.check_paths(out, work)
+        assert want in str(e.value) and "\n" not in str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["a_file", "other"] and os.listdir(other) == ["notes.txt"]
+    TW.check_paths(other / "new", d)  # an earlier draft, or a new directory, is fine
+    (other / "config.json").write_text("{}")
+    TW.check_paths(other, d)
+
+
+def test_the_binary_refuses_before_any_work_in_seconds(env, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [([f"--out={a_file}"], f"--out {a_file}: is a file; a directory is needed"),
+             ([f"--out={tmp_path}/d", "--num_data_prompts=3"], "--num_data_prompts=3: training needs at least 4")]
+    t0 = time.monotonic()
+    procs = [(_start(["--target=random:tiny", *args], env), want) for args, want in cases]
+    for proc, want in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, err[-2000:]
+        assert err.strip().splitlines() == [f"error: {err.strip()[7:]}"] and want in err, err[-2000:]
+    assert time.monotonic() - t0 < 60  # seconds: the imports, nothing else
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
 def _interruptible():
