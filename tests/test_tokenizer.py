@@ -473,5 +473,5 @@ def test_errors_use(tmp_path):
     hf_dir.mkdir()
     tok.backend.save(str(hf_dir / "tokenizer.json"))
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|nope|>"}))
-    _raises("eos_token '<\\|nope\\|>' of tokenizer_config.json is not in the vocabulary",
+    _raises("tokenizer_config.json: eos_token '<\\|nope\\|>' is not in the vocabulary",
             Tokenizer.from_dir, hf_dir)
