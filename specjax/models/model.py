@@ -127,6 +127,10 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
     its devices hold (`shards`, the quantized embedding and head included; a cached conversion
     is restored by orbax at those shardings).
     Pass the same mesh to the Engine: it keeps the placed params as they are.
+
+    A damaged, truncated or inconsistent input raises `LoadError` ("<file>: <problem>"); a
+    missing file is also a FileNotFoundError, a missing tensor also a KeyError. The cache is
+    keyed by every file read (see `_source_key`) and optional: failing to write it is a warning.
     """
     start = time.perf_counter()
     src = str(source)
@@ -134,7 +138,7 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
         path = presets.resolve(src)  # its SHA-256 checked (again whenever the file's stat changed)
         key = f"{src}-{presets.PRESETS[src].sha256[:16]}"
         name = src
-    elif src.endswith(".gguf") or pathlib.Path(src).is_dir():
+    elif src.endswith(".gguf") or pathlib.Path(src).is_dir() or pathlib.Path(src).is_file():
         path = pathlib.Path(src)
         if not path.exists():
             raise convert.MissingFileError(path, "no such checkpoint file or directory")
@@ -144,6 +148,8 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
             raise convert.MissingFileError(path, "a feature draft: load it with models.feature_draft.load"
                                            if feature_draft.is_feature_draft(path) else
                                            "no config.json: not a Hugging Face model directory")
+        if path.is_file() and not src.endswith(".gguf") and _magic(path) != b"GGUF":
+            raise convert.CheckpointError(path, "not a GGUF file (no GGUF magic) and not a model directory")
         key = None  # made from the files read, below
         name = path.name
     else:
@@ -159,6 +165,11 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
                             mesh, role)
     except LoadError as e:  # a problem found where the file was not known yet: name the source
         raise e.with_path(path) from e.__cause__
+
+
+def _magic(path: pathlib.Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
 
 
 def _source_key(path: pathlib.Path, is_gguf: bool) -> str:
