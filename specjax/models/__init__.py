@@ -6,6 +6,7 @@
     m = models.load(..., dtype=jnp.bfloat16)    # params and KV caches in bfloat16, logits float32
     a = models.abstract("llama-3.1-8b", jnp.bfloat16)  # params as ShapeDtypeStructs (compile only)
     d = feature_draft.load(DIR)                 # a FeatureDraft: Engine(m, draft=d)
+    except models.LoadError as e: ...           # any damaged or inconsistent input: "<file>: <problem>"
 """
 
 from specjax._files import LoadError

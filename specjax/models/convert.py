@@ -1,8 +1,10 @@
 """Checkpoint conversion: GGUF and HF safetensors tensors -> our parameter tree.
 
 Both loaders name tensors in transformers' layout (torch Linear weights are
-[out, in]) and hand them to `build_params`, which is the one place that knows
-our tree (see `llama.Transformer`).
+[out, in]) and hand them to `build_params`. `param_spec` is the one place that
+maps checkpoint tensors to our tree (see `llama.Transformer`); `shards` reads
+the same leaves by region from it. Every damaged or inconsistent input is a
+`LoadError` naming the file (`_files`).
 """
 
 from __future__ import annotations
