@@ -171,7 +171,7 @@ def csd_count(memory: CSDMemory, draft_token, target_token) -> jax.Array:
 
 _MARKER = "specjax_csd_memory.json"  # written last into every saved memory: what may be replaced
 _ORBAX_ENTRIES = {"_CHECKPOINT_METADATA", "_METADATA", "_sharding", "manifest.ocdbt", "d", "descriptor",
-                  "array_metadatas", "commit_success.txt"}
+                  "array_metadatas", "commit_success.txt", _files.MANIFEST}
 
 
 def is_saved_memory(path) -> bool:
