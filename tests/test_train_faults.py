@@ -218,8 +218,18 @@ def test_a_failed_export_leaves_the_earlier_draft_as_it_was(target, tmp_path, mo
     out, work = tmp_path / "draft", tmp_path / "draft.work"
     _export(target, cfg, params, out, work)
     assert models.load(out, cache=False).config == cfg
-    _files.check_manifest(out)  # the export carries its checksums
+    _files.check_manifest(out)  # the export carries its checksums, which models.load verifies
     before = _contents(out)
+    flipped = tmp_path / "flipped"
+    flipped.mkdir()
+    for name, raw in before.items():
+        (flipped / name).write_bytes(raw)
+    _flip_bit(flipped / "model.safetensors")  # inside the weights: a finite value, still in range
+    with pytest.raises(models.LoadError, match="model.safetensors: SHA-256 differs"):
+        models.load(flipped, cache=False)
+    import shutil
+
+    shutil.rmtree(flipped)
 
     import safetensors.numpy
 
