@@ -380,3 +380,21 @@ _paths.run(main)
     assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "[specjax] at step 3/10; the last checkpoint is step 2" in res.stderr
     assert f"[specjax] to go on (or run it again): python {script} interrupt '--flag=a b'" in res.stderr
+
+
+def test_a_damaged_model_is_one_line_naming_the_file_in_every_binary(env, tmp_path):
+    """generate and train_draft (--model / --target) on a directory whose weights are cut short."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 258, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": True}))
+    (bad / "model.safetensors").write_bytes(b"xx")
+    procs = [start("generate", ["--model", str(bad)], env),
+             start("train_draft", [f"--target={bad}", f"--out={tmp_path / 'draft'}"], env)]
+    for proc in procs:
+        code, _, err = finish(proc, timeout=180)
+        lines = [line for line in err.strip().splitlines() if not line.startswith("[specjax] loading")]
+        assert code == 1 and len(lines) == 1, err[-2000:]
+        assert lines[0].startswith(f"error: {bad / 'model.safetensors'}: "), err[-2000:]
