@@ -25,10 +25,12 @@ import numpy as np
 
 try:
     from experiments import _common as C
+    from experiments import _paths
     from experiments import _train_loop as TL
     from experiments._train_data import DAMAGED
 except ImportError:
     import _common as C
+    import _paths
     import _train_loop as TL
     from _train_data import DAMAGED
 
@@ -83,7 +85,8 @@ def cached_features(target, tokens_NT, work: pathlib.Path, chunk: int = 64):
                 path.unlink()
         f, t = target_features(target, part)
         if not np.isfinite(f.astype(np.float16)).all():  # float16 keeps +-65504
-            raise ValueError(f"features of chunk {c + 1} do not fit in float16; cannot cache them")
+            raise _paths.RunError(f"the target's features of chunk {c + 1} do not fit in float16 (+-65504); "
+                                  f"cannot cache them")
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, features=f.astype(np.float16), argmax=t)
         tmp.replace(path)
@@ -120,7 +123,8 @@ def text_windows(tokenizer, n: int, seq_len: int) -> list[np.ndarray]:
         toks = tokenizer.encode(body)
         step = seq_len + 1 - len(prefix)
         if step < 32:
-            raise ValueError(f"--seq_len {seq_len} leaves {step} tokens of text after a {len(prefix)}-token request")
+            raise _paths.RunError(f"--seq_len {seq_len} leaves {step} tokens of text after a {len(prefix)}-token "
+                                  f"request (--text_sequences needs at least 32)")
         for i in range(0, max(len(toks) - 32, 1), step):
             out.append(np.asarray(list(prefix) + list(toks[i: i + step]), np.int32))
             if len(out) >= n:
