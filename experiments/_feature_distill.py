@@ -24,7 +24,9 @@ import time
 import numpy as np
 
 from experiments import _common as C
+from experiments import _paths
 from experiments import _train_loop as TL
+from experiments._train_data import DAMAGED
 
 
 def target_features(target, tokens_NT, batch: int = 8):
@@ -63,19 +65,30 @@ def cached_features(target, tokens_NT, work: pathlib.Path, chunk: int = 64):
     for c, lo in enumerate(range(0, len(tokens_NT), chunk)):
         part = np.ascontiguousarray(tokens_NT[lo: lo + chunk])
         path = out_dir / f"{hashlib.sha1(part.tobytes() + str(part.shape).encode() + owner).hexdigest()[:16]}.npz"
-        if not path.exists():
-            f, t = target_features(target, part)
-            if not np.isfinite(f.astype(np.float16)).all():  # float16 keeps +-65504
-                raise ValueError(f"features of chunk {c + 1} do not fit in float16; cannot cache them")
-            tmp = path.with_suffix(".tmp.npz")
-            np.savez(tmp, features=f.astype(np.float16), argmax=t)
-            tmp.replace(path)
-            made += part.size
-            el = time.perf_counter() - t0
-            C.log(f"features: chunk {c + 1}/{n_chunks}, {made} positions in {el:.0f}s ({made / el:.0f}/s)")
-        z = np.load(path)
-        feats.append(z["features"])
-        tops.append(z["argmax"])
+        if path.exists():
+            try:
+                with np.load(path) as z:  # read whole here: a flipped bit fails the zip CRC
+                    f_part, t_part = z["features"], z["argmax"]
+                if f_part.shape[:2] != part.shape or t_part.shape != part.shape:
+                    raise ValueError(f"shapes {f_part.shape}, {t_part.shape} for rows {part.shape}")
+                feats.append(f_part)
+                tops.append(t_part)
+                continue
+            except DAMAGED as e:
+                C.log(f"features: {path} is damaged ({type(e).__name__}: {e}); computing it again")
+                path.unlink()
+        f, t = target_features(target, part)
+        if not np.isfinite(f.astype(np.float16)).all():  # float16 keeps +-65504
+            raise _paths.RunError(f"the target's features of chunk {c + 1} do not fit in float16 (+-65504); "
+                                  f"cannot cache them")
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, features=f.astype(np.float16), argmax=t)
+        tmp.replace(path)
+        made += part.size
+        el = time.perf_counter() - t0
+        C.log(f"features: chunk {c + 1}/{n_chunks}, {made} positions in {el:.0f}s ({made / el:.0f}/s)")
+        feats.append(f.astype(np.float16))
+        tops.append(t)
     return np.concatenate(feats), np.concatenate(tops)
 
 
@@ -104,7 +117,8 @@ def text_windows(tokenizer, n: int, seq_len: int) -> list[np.ndarray]:
         toks = tokenizer.encode(body)
         step = seq_len + 1 - len(prefix)
         if step < 32:
-            raise ValueError(f"--seq_len {seq_len} leaves {step} tokens of text after a {len(prefix)}-token request")
+            raise _paths.RunError(f"--seq_len {seq_len} leaves {step} tokens of text after a {len(prefix)}-token "
+                                  f"request (--text_sequences needs at least 32)")
         for i in range(0, max(len(toks) - 32, 1), step):
             out.append(np.asarray(list(prefix) + list(toks[i: i + step]), np.int32))
             if len(out) >= n:
@@ -244,7 +258,7 @@ def agreement(pred_NT2, labels_NT2, mask_NT2, k: int) -> dict:
 
 def train(cfg, train_params, frozen, data, val, work: pathlib.Path, *, make_optimizer, steps, batch, lr, warmup,
           weight_decay, clip, seed, log_every, eval_every, ckpt_every, k, stop_after=0, noise=0.1, reg_weight=1.0,
-          soft=0.0, chained=False):
+          soft=0.0, chained=False, diverged_hint=""):
     """Runs (or resumes) training; data/val = (tokens, feats, labels, mask). Returns the trained
     params (None after --stop_after). Appends to work/metrics.jsonl. soft > 0: the cross-entropy
     is against the target's softmax at that temperature over the draft's vocabulary (frozen holds
@@ -272,7 +286,8 @@ def train(cfg, train_params, frozen, data, val, work: pathlib.Path, *, make_opti
 
     return TL.run(train_params, optimizer, work, step_fn=step_fn, evaluate=evaluate, n=len(tokens),
                   tokens_per_row=float(mask.sum(1).mean()), steps=steps, batch=batch, seed=seed,
-                  log_every=log_every, eval_every=eval_every, ckpt_every=ckpt_every, stop_after=stop_after)
+                  log_every=log_every, eval_every=eval_every, ckpt_every=ckpt_every, stop_after=stop_after,
+                  diverged_hint=diverged_hint)
 
 
 def step_cost(target, draft, rounds: int, context: int = 256) -> dict:

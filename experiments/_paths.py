@@ -3,7 +3,14 @@
     _paths.check_output("output", path)                 # a file to be written (--output, --csv, ...)
     _paths.check_output("output_dir", path, dir=True)   # a directory to be created or filled
     _paths.write_text(path, text)                       # atomic: the old file or the new one, never half
-    _paths.run(main)                                    # app.run(main), plus a prompt exit on Ctrl-C
+    _paths.run(main)                                    # app.run(main): one-line errors, a prompt exit on Ctrl-C
+    _paths.set_status(lambda: "at step 40/400")         # what Ctrl-C reports besides the command to rerun
+    raise _paths.RunError("...")                        # a run that cannot go on: one line, exit 1
+
+Errors a user can act on (a bad flag, an output path that cannot be written, a damaged or
+inconsistent input file: `specjax.models.LoadError` and the error types it subsumes, a run that
+refuses to go on) end the process with one line on stderr, "error: ...", and status 1: no
+traceback and no flag-help dump. Anything else is a bug and keeps its traceback.
 
 Why `run`: a generation is one compiled XLA program. Ctrl-C raises
 KeyboardInterrupt in the main thread at once, but the program keeps running on
@@ -30,8 +37,30 @@ import threading
 
 from absl import app
 
-_PENDING: set[str] = set()  # temporaries of atomic writes in progress
+_PENDING: set[str] = set()  # temporaries of atomic writes in progress (files or directories)
+_STATUS = [None]  # a callable giving where the run stands, for the interrupt message
 _GRACE_S = 1.0  # how long the main thread gets to raise KeyboardInterrupt itself
+
+
+class RunError(Exception):
+    """A run that cannot go on, for a reason its message gives in one line (a diverged training, a
+    work directory made with other settings, too little data)."""
+
+
+def set_status(status) -> None:
+    """`status()` (a callable returning a line, or None) is printed when Ctrl-C ends the run: where it
+    stands, what is saved. None: nothing beyond the command to run again."""
+    _STATUS[0] = status
+
+
+def rerun_command() -> str:
+    """The command line of this process, as a shell would take it back."""
+    import shlex
+
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(".py"):
+        argv.insert(0, "python")
+    return " ".join(shlex.quote(a) for a in argv)
 
 
 def check_output(flag: str, path, *, dir: bool = False) -> None:  # noqa: A002 (the flag's wording)
@@ -80,14 +109,25 @@ def write_text(path, text: str) -> None:
 
 
 def _exit_interrupted() -> None:
+    import shutil
+
     for tmp in list(_PENDING):
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            if os.path.isdir(tmp) and not os.path.islink(tmp):
+                shutil.rmtree(tmp)
+            else:
+                os.unlink(tmp)
     with contextlib.suppress(Exception):
         sys.stdout.flush()
     with contextlib.suppress(Exception):
         print("[specjax] interrupted: exiting now (files written before are complete; none is half-written)",
               file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        status = _STATUS[0]() if _STATUS[0] is not None else None
+        if status:
+            print(f"[specjax] {status}", file=sys.stderr, flush=True)
+    with contextlib.suppress(Exception):
+        print(f"[specjax] to go on (or run it again): {rerun_command()}", file=sys.stderr, flush=True)
     os._exit(130)  # 128 + SIGINT, as a shell reports it; skips waiting for a running XLA program
 
 
@@ -111,8 +151,30 @@ def exit_promptly_on_interrupt() -> None:
     threading.Thread(target=_watch, args=(r,), daemon=True, name="specjax-sigint").start()
 
 
+def one_line_errors() -> tuple[type, ...]:
+    """The exception types that end a binary with one line: the user's to fix, not a bug."""
+    types = [app.UsageError, RunError]
+    try:
+        from specjax import _files
+        from specjax.models import config, convert, model, presets
+
+        types += [_files.LoadError, convert.CheckpointError, convert.MissingTensorError, config.ConfigError,
+                  presets.PresetError, model.CacheError]
+    except (ImportError, AttributeError):  # pragma: no cover (a partial specjax: its own error will say so)
+        pass
+    return tuple(types)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e)
+    if isinstance(e, KeyError) and type(e).__str__ is KeyError.__str__ and len(e.args) == 1:
+        text = str(e.args[0])  # a KeyError prints its message quoted
+    return "error: " + (" ".join(text.split()) or type(e).__name__)
+
+
 def run(main) -> None:
-    """absl's app.run(main) with `exit_promptly_on_interrupt`."""
+    """absl's app.run(main) with `exit_promptly_on_interrupt`, and one line (no traceback, no flag
+    help) for the errors of `one_line_errors`."""
 
     @functools.wraps(main)
     def wrapped(argv):
@@ -120,6 +182,11 @@ def run(main) -> None:
             return main(argv)
         except KeyboardInterrupt:
             _exit_interrupted()
+        except one_line_errors() as e:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+            print(_one_line(e), file=sys.stderr, flush=True)
+            sys.exit(getattr(e, "exitcode", 1) or 1)
 
     exit_promptly_on_interrupt()
     app.run(wrapped)

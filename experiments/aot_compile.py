@@ -36,7 +36,7 @@ import os
 import pathlib
 import sys
 
-from absl import app, flags
+from absl import flags
 
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x2", "TPU topology, e.g. v5e:2x2, v5e:2x4, v4:2x2x1, v5p:2x2x1, "
                                 "v6e:2x4.")
@@ -169,4 +169,5 @@ def main(argv):
 
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host computes nothing; libtpu stays quiet
-    app.run(main)
+    from experiments import _paths
+    _paths.run(main)

@@ -20,7 +20,9 @@ import sys
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
+
+from experiments import _paths
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf or HF directory.")
 _NUM = flags.DEFINE_integer("num_prompts", 8, "HumanEval prompts (raw completion), the first N.")
@@ -71,6 +73,7 @@ def main(argv):
     if _CHILD.value:
         print("RESULT " + json.dumps(child()))
         return
+    _paths.check_output("cache_dir", _CACHE.value, dir=True)  # before any work
     from specjax import engine as engine_lib
 
     lengths = [int(x) for x in _LENGTHS.value] or [round(20 + i * (400 - 20) / 15) for i in range(16)]
@@ -103,4 +106,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _paths.run(main)

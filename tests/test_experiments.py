@@ -330,3 +330,71 @@ def test_notebook_runs_end_to_end_in_its_small_setting(env, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("target-only", "exact", "fly", "asd", "csd"):
         assert f"| {name} |" in proc.stdout
+
+
+ONE_LINE_ERRORS = {  # what main raises -> the one line the user reads
+    "usage": ("raise app.UsageError('--k must be positive')", "error: --k must be positive"),
+    "run": ("raise _paths.RunError('step 7: loss nan: training diverged')",
+            "error: step 7: loss nan: training diverged"),
+    "load": ("raise _files.LoadError('/m/model.safetensors', 'invalid JSON in header')",
+             "error: /m/model.safetensors: invalid JSON in header"),
+    "tensor": ("raise convert.MissingTensorError('/m/model.safetensors: no tensor model.norm.weight')",
+               "error: /m/model.safetensors: no tensor model.norm.weight"),
+    "checkpoint": ("raise convert.CheckpointError('/m: q_proj has shape (3, 4), expected (4, 4)')",
+                   "error: /m: q_proj has shape (3, 4), expected (4, 4)"),
+}
+
+
+def test_binaries_end_user_errors_with_one_line_and_ctrl_c_with_the_command_to_go_on(env, tmp_path):
+    """_paths.run, which every binary's entry goes through: one line for the errors a user acts on (no
+    traceback, no flag-help dump), a traceback still for a bug, and Ctrl-C: exit 130, where the run
+    stands and the command that continues it."""
+    script = tmp_path / "binary.py"
+    script.write_text(f'''"""A binary's docstring, which absl's usage dump would print."""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from absl import app, flags
+from experiments import _paths
+flags.DEFINE_string("flag", "", "a flag")
+from specjax import _files
+from specjax.models import convert
+
+def main(argv):
+    kind = argv[1]
+    _paths.set_status(lambda: "at step 3/10; the last checkpoint is step 2")
+    if kind == "interrupt":
+        raise KeyboardInterrupt
+    if kind == "bug":
+        raise ZeroDivisionError("a bug")
+    {"; ".join(f"if kind == {k!r}: {code}" for k, (code, _) in ONE_LINE_ERRORS.items()).replace("; ", chr(10) + "    ")}
+
+_paths.run(main)
+''')
+    for kind, (_, line) in ONE_LINE_ERRORS.items():
+        res = subprocess.run([sys.executable, str(script), kind], env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1 and res.stderr.strip().splitlines() == [line], (kind, res.stderr[-2000:])
+    res = subprocess.run([sys.executable, str(script), "bug"], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" in res.stderr and "ZeroDivisionError: a bug" in res.stderr
+    res = subprocess.run([sys.executable, str(script), "interrupt", "--flag=a b"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "[specjax] at step 3/10; the last checkpoint is step 2" in res.stderr
+    assert f"[specjax] to go on (or run it again): python {script} interrupt '--flag=a b'" in res.stderr
+
+
+def test_a_damaged_model_is_one_line_naming_the_file_in_every_binary(env, tmp_path):
+    """generate and train_draft (--model / --target) on a directory whose weights are cut short."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 258, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": True}))
+    (bad / "model.safetensors").write_bytes(b"xx")
+    procs = [start("generate", ["--model", str(bad)], env),
+             start("train_draft", [f"--target={bad}", f"--out={tmp_path / 'draft'}"], env)]
+    for proc in procs:
+        code, _, err = finish(proc, timeout=180)
+        lines = [line for line in err.strip().splitlines() if not line.startswith("[specjax] loading")]
+        assert code == 1 and len(lines) == 1, err[-2000:]
+        assert lines[0].startswith(f"error: {bad / 'model.safetensors'}: "), err[-2000:]

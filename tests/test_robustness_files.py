@@ -268,13 +268,13 @@ def test_broken_checkpoint_files_are_named_errors(smollm2_file, tmp_path):
     data = smollm2_file.read_bytes()
     (tmp_path / "empty.gguf").write_bytes(b"")
     (tmp_path / "head.gguf").write_bytes(data[:1_000_000])  # cut inside the tensor data
-    cases = [("empty.gguf", "is empty"), ("head.gguf", "truncated")]
+    cases = [("empty.gguf", r"empty \(0 bytes\)"), ("head.gguf", "truncated")]
     import gguf
 
     q = next(t for t in gguf.GGUFReader(str(smollm2_file)).tensors if t.name == "blk.0.attn_q.weight")
-    for name, scale, message in (("nan.gguf", np.float16(np.nan), "'blk.0.attn_q.weight' .* is corrupt: 32 "
+    for name, scale, message in (("nan.gguf", np.float16(np.nan), "tensor 'blk.0.attn_q.weight' is corrupt: 32 "
                                                                   "non-finite weights"),
-                                 ("huge.gguf", np.float16(60000.0), "'blk.0.attn_q.weight' .* has weights up to")):
+                                 ("huge.gguf", np.float16(60000.0), "tensor 'blk.0.attn_q.weight' has weights up to")):
         b = bytearray(data)
         b[int(q.data_offset): int(q.data_offset) + 2] = scale.tobytes()  # the first block's float16 scale
         (tmp_path / name).write_bytes(bytes(b))
@@ -286,6 +286,6 @@ def test_broken_checkpoint_files_are_named_errors(smollm2_file, tmp_path):
         load = models.load if name in ("empty.gguf", "head.gguf") else convert.load_gguf
         with pytest.raises(CheckpointError, match=message) as e:
             load(tmp_path / name, cache=False) if load is models.load else load(tmp_path / name)
-        assert str(tmp_path / name) in str(e.value)
-    with pytest.raises(CheckpointError, match=f"{hf}/config.json is not valid JSON"):
+        assert str(e.value).startswith(f"{tmp_path / name}: ")
+    with pytest.raises(CheckpointError, match=f"{hf}/config.json: not valid JSON"):
         models.load(hf, cache=False)

@@ -129,3 +129,40 @@ def test_save_and_load_round_trip(tmp_path):
         verify.load_csd_memory(tmp_path / "m", capacity=1)
     with pytest.raises(FileNotFoundError, match="no saved memory"):
         verify.load_csd_memory(tmp_path / "nothing")
+
+
+def test_a_flipped_bit_in_any_file_of_a_saved_memory_is_caught(tmp_path):
+    """Every file of a saved memory is under its SHA-256 manifest: one flipped bit anywhere is a
+    LoadError naming that file, before orbax reads anything."""
+    import shutil
+
+    from specjax._files import MANIFEST, LoadError
+
+    memory = verify.csd_memory(16, np.array([[3, 4], [5, 6]]), np.array([7, 2]))
+    verify.save_csd_memory(tmp_path / "m", memory)
+    files = sorted(f for f in (tmp_path / "m").rglob("*") if f.is_file() and f.name != MANIFEST)
+    assert len(files) >= 3
+    for f in files:
+        shutil.copytree(tmp_path / "m", tmp_path / "x")
+        g = tmp_path / "x" / f.relative_to(tmp_path / "m")
+        data = bytearray(g.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        g.write_bytes(bytes(data))
+        with pytest.raises(LoadError, match="SHA-256 differs") as e:
+            verify.load_csd_memory(tmp_path / "x")
+        assert e.value.path == str(g) and "\n" not in str(e.value)
+        shutil.rmtree(tmp_path / "x")
+    assert verify.load_csd_memory(tmp_path / "m").to_dict() == memory.to_dict()
+
+
+def test_a_memory_without_a_manifest_loads_and_unreadable_data_is_one_line(tmp_path):
+    from specjax._files import MANIFEST, LoadError
+
+    memory = verify.csd_memory(16, np.array([[3, 4], [5, 6]]), np.array([7, 2]))
+    verify.save_csd_memory(tmp_path / "m", memory)
+    (tmp_path / "m" / MANIFEST).unlink()  # as saved before manifests existed
+    assert verify.load_csd_memory(tmp_path / "m").to_dict() == memory.to_dict()
+    (tmp_path / "m" / "_METADATA").write_text("{not json")
+    with pytest.raises(LoadError, match="not a readable saved CSD memory") as e:
+        verify.load_csd_memory(tmp_path / "m")
+    assert e.value.path == str(tmp_path / "m") and "\n" not in str(e.value)

@@ -14,9 +14,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from specjax._files import LoadError
 
-class ConfigError(ValueError):
-    """A checkpoint asks for something this decoder does not implement."""
+
+class ConfigError(LoadError):
+    """A checkpoint asks for something this decoder does not implement, or lacks a field it needs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,30 +149,57 @@ def from_hf_dict(cfg: Mapping[str, Any]) -> Config:
     for key, allowed in _HF_REQUIRED_VALUES.items():
         if allowed is not None and key in cfg and cfg[key] not in allowed:
             raise ConfigError(f"unsupported config field {key}={cfg[key]!r} (supported: {allowed})")
-    num_heads = int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
+    num_heads = _int(cfg, "num_attention_heads")
+    head_dim = _int(cfg, "head_dim") if cfg.get("head_dim") else _int(cfg, "hidden_size") // num_heads
     rope = _hf_rope(cfg)
     qkv_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    try:
+        eos_ids = tuple(int(e) for e in eos_ids)
+    except (TypeError, ValueError):
+        raise ConfigError(f"field 'eos_token_id' = {eos!r} is not a token id or a list of them") from None
     return Config(
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        vocab_size=_int(cfg, "vocab_size"),
+        hidden_size=_int(cfg, "hidden_size"),
+        intermediate_size=_int(cfg, "intermediate_size"),
+        num_layers=_int(cfg, "num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        num_kv_heads=_int(cfg, "num_key_value_heads") if cfg.get("num_key_value_heads") else num_heads,
         head_dim=head_dim,
-        rope_theta=float(_rope_theta(cfg)),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_number(cfg, "rope_theta", _rope_theta(cfg)),
+        rms_norm_eps=_number(cfg, "rms_norm_eps", 1e-6),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         rope_scaling=rope,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", 2048),
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=tuple(int(e) for e in eos_ids),
+        eos_token_ids=eos_ids,
         architecture="qwen2" if model_type == "qwen2" else "llama",
     )
+
+
+_MISSING = object()
+
+
+def _int(cfg: Mapping[str, Any], key: str, default: Any = _MISSING, prefix: str = "") -> int:
+    """cfg[key] as an int; a missing key or a value that is not a whole number is a ConfigError
+    naming the key (the caller names the file)."""
+    value = cfg.get(prefix + key, default)
+    if value is _MISSING or value is None:
+        raise ConfigError(f"missing required field {prefix + key!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value != int(value):
+        raise ConfigError(f"field {prefix + key!r} = {value!r} is not an integer")
+    return int(value)
+
+
+def _number(cfg: Mapping[str, Any], key: str, default: Any, prefix: str = "") -> float:
+    value = cfg.get(prefix + key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"field {prefix + key!r} = {value!r} is not a number")
+    return float(value)
 
 
 def _rope_theta(cfg: Mapping[str, Any]) -> float:
@@ -188,11 +217,14 @@ def _hf_rope(cfg: Mapping[str, Any]) -> RopeScaling | None:
         return None
     if kind != "llama3":
         raise ConfigError(f"unsupported config field rope_scaling type {kind!r} (supported: llama3)")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if key not in rs:
+            raise ConfigError(f"missing required field 'rope_scaling.{key}' (rope_type llama3)")
     return RopeScaling(
-        factor=float(rs["factor"]),
-        low_freq_factor=float(rs["low_freq_factor"]),
-        high_freq_factor=float(rs["high_freq_factor"]),
-        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        factor=_number(rs, "factor", None),
+        low_freq_factor=_number(rs, "low_freq_factor", None),
+        high_freq_factor=_number(rs, "high_freq_factor", None),
+        original_max_position_embeddings=_int(rs, "original_max_position_embeddings"),
     )
 
 
@@ -230,8 +262,8 @@ def from_gguf_fields(fields: Mapping[str, Any], *, tensor_names=(), rope_freqs=N
     scaling = get("rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise ConfigError(f"unsupported GGUF metadata field {prefix}rope.scaling.type={scaling!r}")
-    num_heads = int(get("attention.head_count"))
-    width = int(get("embedding_length"))
+    num_heads = _int(fields, "attention.head_count", prefix=prefix)
+    width = _int(fields, "embedding_length", prefix=prefix)
     head_dim = int(get("attention.key_length") or get("rope.dimension_count") or width // num_heads)
     if get("rope.dimension_count") not in (None, head_dim):
         raise ConfigError(f"partial rotary embedding ({prefix}rope.dimension_count="
@@ -245,8 +277,8 @@ def from_gguf_fields(fields: Mapping[str, Any], *, tensor_names=(), rope_freqs=N
     return Config(
         vocab_size=int(vocab),
         hidden_size=width,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        intermediate_size=_int(fields, "feed_forward_length", prefix=prefix),
+        num_layers=_int(fields, "block_count", prefix=prefix),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv") or num_heads),
         head_dim=head_dim,

@@ -1,38 +1,63 @@
 """Checkpoint conversion: GGUF and HF safetensors tensors -> our parameter tree.
 
 Both loaders name tensors in transformers' layout (torch Linear weights are
-[out, in]) and hand them to `build_params`, which is the one place that knows
-our tree (see `llama.Transformer`).
+[out, in]) and hand them to `build_params`. `param_spec` is the one place that
+maps checkpoint tensors to our tree (see `llama.Transformer`); `shards` reads
+the same leaves by region from it. Every damaged or inconsistent input is a
+`LoadError` naming the file (`_files`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Any, Callable
 
 import numpy as np
 
+from specjax._files import LoadError
 from specjax.models import config as config_lib
 from specjax.models import quant
 from specjax.models.config import Config
 
 
-class MissingTensorError(KeyError):
-    def __str__(self):
-        return str(self.args[0])
-
-
-class CheckpointError(ValueError):
+class CheckpointError(LoadError):
     """A checkpoint file that is not what it claims: unreadable, truncated, or with non-finite weights."""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the config needs is not in the checkpoint (a KeyError too, as it always was)."""
+
+
+class MissingFileError(CheckpointError, FileNotFoundError):
+    """A file the checkpoint needs is not there (a FileNotFoundError too, as it always was)."""
 
 
 def read_json(path: pathlib.Path) -> Any:
     """json.loads of a file, with an error that names the file."""
+    path = pathlib.Path(path)
     try:
-        return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MissingFileError(path, "no such file") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(path, f"not valid JSON: not UTF-8 text (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise CheckpointError(path, f"not valid JSON ({e}): damaged or truncated") from None
+
+
+def config_from_json(path: pathlib.Path) -> Config:
+    """The Config of a Hugging Face config.json, every error naming the file (a missing key too)."""
+    d = read_json(path)
+    if not isinstance(d, dict):
+        raise CheckpointError(path, f"a JSON {type(d).__name__}, not an object of config fields")
+    try:
+        return config_lib.from_hf_dict(d)
+    except LoadError as e:
+        raise e.with_path(path) from e.__cause__
 
 
 def open_gguf(path):
@@ -40,18 +65,52 @@ def open_gguf(path):
     import gguf
 
     path = pathlib.Path(path)
+    if not path.is_file():
+        raise MissingFileError(path, "GGUF file not found")
     size = path.stat().st_size
     if size == 0:
-        raise CheckpointError(f"{path} is empty (0 bytes), not a GGUF file")
+        raise CheckpointError(path, "empty (0 bytes), not a GGUF file")
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the library fails deep inside (reshape, struct, mmap errors)
-        raise CheckpointError(f"{path} ({size} bytes) is not a readable GGUF file, or is truncated: "
-                              f"{type(e).__name__}: {e}") from None
+        raise CheckpointError(path, f"not a readable GGUF file of {size} bytes, or truncated "
+                                    f"({type(e).__name__}: {e})") from e
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
-        raise CheckpointError(f"{path} is truncated: its tensors need {end} bytes, the file has {size}")
+        raise CheckpointError(path, f"truncated: its tensors need {end} bytes, the file has {size}")
     return reader
+
+
+def gguf_config(reader, path) -> tuple[Config, dict]:
+    """(Config, decoded metadata) of an open GGUF, every error naming the file."""
+    import gguf
+
+    try:
+        fields = gguf_fields(reader)
+        names = [t.name for t in reader.tensors]
+        rope_freqs = None
+        if "rope_freqs.weight" in names:
+            t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+            rope_freqs = gguf.quants.dequantize(t.data, t.tensor_type)
+        return config_lib.from_gguf_fields(fields, tensor_names=names, rope_freqs=rope_freqs), fields
+    except LoadError as e:
+        raise e.with_path(path) from e.__cause__
+    except (ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError) as e:  # damaged metadata
+        raise CheckpointError(path, f"unreadable GGUF metadata ({type(e).__name__}: {e})") from e
+
+
+def open_safetensors(path, framework: str = "numpy"):
+    """safetensors.safe_open, with an error naming the file (damaged header, truncated file)."""
+    from safetensors import safe_open
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise MissingFileError(path, "no such file")
+    try:
+        return safe_open(str(path), framework=framework)
+    except Exception as e:  # SafetensorError: "invalid JSON in header", "header too small", ...
+        why = str(e).removeprefix("Error while deserializing header: ")
+        raise CheckpointError(path, f"not a readable safetensors file ({why}): damaged or truncated") from e
 
 
 # Beyond float16's range: no weight of a working checkpoint (its GGUF block scales are float16).
@@ -69,85 +128,117 @@ def check_tensor(name: str, w, source: str):
         peak = None
     for what, a in parts:
         if not np.isfinite(a).all():
-            raise CheckpointError(f"tensor {name!r} in {source} has non-finite {what} "
-                                  f"({int((~np.isfinite(a)).sum())} of {a.size}): the file is corrupt")
+            raise CheckpointError(source, f"tensor {name!r} has non-finite {what} "
+                                          f"({int((~np.isfinite(a)).sum())} of {a.size}): the file is corrupt")
     if peak is None:
         peak = float(np.abs(parts[0][1]).max(initial=0))
     if peak > _MAX_WEIGHT:
-        raise CheckpointError(f"tensor {name!r} in {source} has weights up to {peak:.3g}, beyond any working "
-                              f"checkpoint's (|w| <= {_MAX_WEIGHT:g}): a corrupt block scale?")
+        raise CheckpointError(source, f"tensor {name!r} has weights up to {peak:.3g}, beyond any working "
+                                      f"checkpoint's (|w| <= {_MAX_WEIGHT:g}): a corrupt block scale?")
     return w
 
 
-# Per-layer tensors, transformers names (the part after `model.layers.{i}.`).
-_LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")
-_BIAS_TENSORS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """How one leaf of our parameter tree comes from the checkpoint's tensors (transformers names
+    and layout): the one place that maps checkpoints to our tree (`llama.Transformer`), used by
+    `build_params` here and by `shards` (which reads the same leaves by region).
+
+    kind "linear": ours [*in_shape, *out_shape] from torch [out, in]; "vector": [*in_shape] from
+    a flat vector. `stacked`: one tensor per layer (`name` is the part after
+    `model.layers.{i}.`), stacked on a leading layer axis; otherwise one tensor named `name`."""
+
+    kind: str
+    name: str
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...] = ()
+    stacked: bool = True
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        n_in = int(np.prod(self.in_shape))
+        return (n_in,) if self.kind == "vector" else (int(np.prod(self.out_shape)), n_in)
+
+    def names(self, c: Config) -> list[str]:
+        return [f"model.layers.{i}.{self.name}" for i in range(c.num_layers)] if self.stacked else [self.name]
+
+
+def param_spec(c: Config) -> dict:
+    """Our parameter tree with a `Leaf` at every leaf."""
+    D, H, G, Dh, F, V = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size
+    layers = {
+        "attn_norm": {"scale": Leaf("vector", "input_layernorm.weight", (D,))},
+        "mlp_norm": {"scale": Leaf("vector", "post_attention_layernorm.weight", (D,))},
+        "wq": Leaf("linear", "self_attn.q_proj.weight", (D,), (H, Dh)),
+        "wk": Leaf("linear", "self_attn.k_proj.weight", (D,), (G, Dh)),
+        "wv": Leaf("linear", "self_attn.v_proj.weight", (D,), (G, Dh)),
+        "wo": Leaf("linear", "self_attn.o_proj.weight", (H, Dh), (D,)),
+        "w_gate": Leaf("linear", "mlp.gate_proj.weight", (D,), (F,)),
+        "w_up": Leaf("linear", "mlp.up_proj.weight", (D,), (F,)),
+        "w_down": Leaf("linear", "mlp.down_proj.weight", (F,), (D,)),
+    }
+    if c.qkv_bias:
+        layers["bq"] = Leaf("vector", "self_attn.q_proj.bias", (H, Dh))
+        layers["bk"] = Leaf("vector", "self_attn.k_proj.bias", (G, Dh))
+        layers["bv"] = Leaf("vector", "self_attn.v_proj.bias", (G, Dh))
+    params = {
+        "embed": Leaf("linear", "model.embed_tokens.weight", (D,), (V,), stacked=False),  # [V, D] -> [D, V]
+        "layers": layers,
+        "final_norm": {"scale": Leaf("vector", "model.norm.weight", (D,), stacked=False)},
+    }
+    if not c.tie_embeddings:
+        params["lm_head"] = Leaf("linear", "lm_head.weight", (D,), (V,), stacked=False)
+    return params
+
+
+def map_spec(c: Config, make: Callable[[Leaf], Any]) -> dict:
+    """`param_spec(c)` with `make(leaf)` at every leaf, in the tree's order."""
+    def walk(tree):
+        return {k: walk(v) if isinstance(v, dict) else make(v) for k, v in tree.items()}
+
+    return walk(param_spec(c))
 
 
 def expected_tensors(c: Config) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not c.tie_embeddings:
-        names.append("lm_head.weight")
-    per_layer = _LAYER_TENSORS + (_BIAS_TENSORS if c.qkv_bias else ())
-    names += [f"model.layers.{i}.{t}" for i in range(c.num_layers) for t in per_layer]
+    names = []
+    map_spec(c, lambda leaf: names.extend(leaf.names(c)))
     return names
+
+
+def shape_error(source: str, name: str, got, want) -> CheckpointError:
+    return CheckpointError(source, f"tensor {name!r} has shape {tuple(got)}, expected {tuple(want)} from the "
+                                   "config: the weights and config.json (or the GGUF metadata) disagree")
 
 
 def build_params(c: Config, get: Callable[[str], Any], source: str) -> dict:
     """Our parameter tree from a `get(hf_name)` accessor returning an array in transformers'
     layout, or `quant.RawBlocks` for a block-quantized GGUF tensor (kept quantized)."""
-    D, H, G, Dh, F, V = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size
 
     def fetch(name, shape):
         try:
             x = get(name)
         except KeyError:
-            raise MissingTensorError(f"missing tensor {name!r} in {source}") from None
+            raise MissingTensorError(source, f"missing tensor {name!r}") from None
         if not isinstance(x, quant.RawBlocks):
             x = np.asarray(x, np.float32)
         if tuple(x.shape) != shape:
-            raise ValueError(f"tensor {name!r} in {source} has shape {tuple(x.shape)}, expected {shape}")
+            raise shape_error(source, name, x.shape, shape)
         return x
 
-    def linear(name, in_shape, out_shape):  # torch [out, in] -> ours [*in, *out]
-        w = fetch(name, (int(np.prod(out_shape)), int(np.prod(in_shape))))
-        shape = (*in_shape, *out_shape)
-        return w.as_linear(shape) if isinstance(w, quant.RawBlocks) else w.T.reshape(shape)
+    def make(leaf: Leaf):
+        def one(name):
+            x = fetch(name, leaf.torch_shape)
+            if leaf.kind == "vector":
+                return x.reshape(leaf.in_shape)
+            shape = (*leaf.in_shape, *leaf.out_shape)  # torch [out, in] -> ours [*in, *out]
+            if isinstance(x, quant.RawBlocks):
+                return x.as_linear(shape)
+            return x.T.reshape(shape) if leaf.stacked else np.ascontiguousarray(x.T).reshape(shape)
 
-    def table(w):  # [V, D] -> ours [D, V], the tied head's layout
-        return w.as_linear((D, V)) if isinstance(w, quant.RawBlocks) else np.ascontiguousarray(w.T)
+        names = leaf.names(c)
+        return quant.stack_layers([one(n) for n in names]) if leaf.stacked else one(names[0])
 
-    def vector(name, shape):
-        return fetch(name, (int(np.prod(shape)),)).reshape(shape)
-
-    def stack(make):
-        return quant.stack_layers([make(f"model.layers.{i}.") for i in range(c.num_layers)])
-
-    layers = {
-        "attn_norm": {"scale": stack(lambda p: vector(p + "input_layernorm.weight", (D,)))},
-        "mlp_norm": {"scale": stack(lambda p: vector(p + "post_attention_layernorm.weight", (D,)))},
-        "wq": stack(lambda p: linear(p + "self_attn.q_proj.weight", (D,), (H, Dh))),
-        "wk": stack(lambda p: linear(p + "self_attn.k_proj.weight", (D,), (G, Dh))),
-        "wv": stack(lambda p: linear(p + "self_attn.v_proj.weight", (D,), (G, Dh))),
-        "wo": stack(lambda p: linear(p + "self_attn.o_proj.weight", (H, Dh), (D,))),
-        "w_gate": stack(lambda p: linear(p + "mlp.gate_proj.weight", (D,), (F,))),
-        "w_up": stack(lambda p: linear(p + "mlp.up_proj.weight", (D,), (F,))),
-        "w_down": stack(lambda p: linear(p + "mlp.down_proj.weight", (F,), (D,))),
-    }
-    if c.qkv_bias:
-        layers["bq"] = stack(lambda p: vector(p + "self_attn.q_proj.bias", (H, Dh)))
-        layers["bk"] = stack(lambda p: vector(p + "self_attn.k_proj.bias", (G, Dh)))
-        layers["bv"] = stack(lambda p: vector(p + "self_attn.v_proj.bias", (G, Dh)))
-    params = {
-        "embed": table(fetch("model.embed_tokens.weight", (V, D))),  # [D, V]
-        "layers": layers,
-        "final_norm": {"scale": vector("model.norm.weight", (D,))},
-    }
-    if not c.tie_embeddings:
-        params["lm_head"] = linear("lm_head.weight", (D,), (V,))
-    return params
+    return map_spec(c, make)
 
 
 # --- GGUF -------------------------------------------------------------------
@@ -181,6 +272,19 @@ def _unpermute_rope_rows(w, num_heads: int):
     return w.permute_rows(perm) if isinstance(w, quant.RawBlocks) else w[perm]
 
 
+def gguf_tensors(reader, c: Config, path) -> dict:
+    """{transformers name: GGUF tensor}; a tensor this decoder has no use for is refused, named."""
+    by_hf = {}
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
+        if hf is None and t.name != "rope_freqs.weight":
+            raise config_lib.ConfigError(path, f"unsupported tensor {t.name!r} (not part of a "
+                                               f"{c.architecture} decoder this library implements)")
+        if hf is not None:
+            by_hf[hf] = t
+    return by_hf
+
+
 def gguf_fields(reader) -> dict:
     """Decoded GGUF metadata {key: python value}."""
     out = {}
@@ -201,20 +305,8 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
     import gguf  # the format library: parsing and dequantization
 
     reader = open_gguf(path)
-    fields = gguf_fields(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    rope_freqs = None
-    if "rope_freqs.weight" in tensors:
-        rope_freqs = gguf.quants.dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type)
-    c = config_lib.from_gguf_fields(fields, tensor_names=tensors.keys(), rope_freqs=rope_freqs)
-    by_hf = {}
-    for name in tensors:
-        hf = _hf_name(name)
-        if hf is None and name != "rope_freqs.weight":
-            raise config_lib.ConfigError(f"unsupported tensor {name!r} in {path} (not part of a "
-                                         f"{c.architecture} decoder this library implements)")
-        if hf is not None:
-            by_hf[hf] = tensors[name]
+    c, fields = gguf_config(reader, path)
+    by_hf = gguf_tensors(reader, c, path)
     permute = c.architecture == "llama"
 
     def get(hf_name):
@@ -232,7 +324,7 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
                 values = gguf.quants.dequantize(t.data, t.tensor_type)
                 why = (f"{int((~np.isfinite(values)).sum())} non-finite weights (a NaN or inf block scale)"
                        if not np.isfinite(values).all() else str(e))
-                raise CheckpointError(f"tensor {t.name!r} in {path} is corrupt: {why}") from None
+                raise CheckpointError(path, f"tensor {t.name!r} is corrupt: {why}") from None
         else:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         if permute and hf_name.endswith("self_attn.q_proj.weight"):
@@ -251,27 +343,50 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
 
 def safetensors_weight_map(path: pathlib.Path) -> dict[str, str]:
     """Tensor name -> safetensors file of a Hugging Face directory (one file, or sharded with an index)."""
-    from safetensors import safe_open
-
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return read_json(index)["weight_map"]
+        doc = read_json(index)
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(index, "has no 'weight_map' of tensor name -> file")
+        return weight_map
     if (path / "model.safetensors").is_file():
-        with safe_open(path / "model.safetensors", framework="numpy") as f:
+        with open_safetensors(path / "model.safetensors") as f:
             return {k: "model.safetensors" for k in f.keys()}
-    raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    raise MissingFileError(path, "has neither model.safetensors nor model.safetensors.index.json")
+
+
+def files_read(path: pathlib.Path) -> list[pathlib.Path]:
+    """Every file that loading the Hugging Face directory `path` reads (config, weights,
+    tokenizer, our checksum manifest), those that exist: what the parameter cache is keyed by."""
+    from specjax import _files
+
+    names = ["config.json", "model.safetensors.index.json", "model.safetensors", "tokenizer.json",
+             "tokenizer_config.json", "chat_template.jinja", _files.MANIFEST]
+    found = [path / n for n in names if (path / n).is_file()]
+    if (path / "model.safetensors.index.json").is_file():
+        found += [path / f for f in sorted(set(safetensors_weight_map(path).values())) if (path / f).is_file()]
+    return found
+
+
+def check_ours(path: pathlib.Path) -> None:
+    """A directory that specjax wrote (with a checksum manifest) must match it, bit for bit:
+    a flipped bit in our own files is caught, not only values out of range."""
+    from specjax import _files
+
+    if (path / _files.MANIFEST).is_file():
+        _files.check_manifest(path)
 
 
 def load_hf_dir(path: str | pathlib.Path):
     """(Config, float32 params) from a directory with config.json and safetensors
     (one file, or shards listed in model.safetensors.index.json)."""
-    from safetensors import safe_open
-
     path = pathlib.Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json")
-    c = config_lib.from_hf_dict(read_json(cfg_file))
+        raise MissingFileError(path, "no config.json (not a Hugging Face model directory)")
+    check_ours(path)
+    c = config_from_json(cfg_file)
     weight_map = safetensors_weight_map(path)
     handles = {}
 
@@ -281,13 +396,16 @@ def load_hf_dir(path: str | pathlib.Path):
         shard = weight_map[name]
         if shard not in handles:
             # framework="flax" reads bfloat16 too (numpy has no bfloat16).
-            handles[shard] = safe_open(path / shard, framework="flax")
-        return np.asarray(handles[shard].get_tensor(name).astype("float32"))
+            handles[shard] = open_safetensors(path / shard, framework="flax")
+        try:
+            return np.asarray(handles[shard].get_tensor(name).astype("float32"))
+        except Exception as e:  # an unreadable tensor (dtype, data): name the file and the tensor
+            raise CheckpointError(path / shard, f"tensor {name!r} is unreadable ({type(e).__name__}: {e})") from e
 
-    params = build_params(c, lambda name: check_tensor(name, get(name), str(path)), str(path))
+    params = build_params(c, lambda name: check_tensor(name, get(name), str(path / weight_map[name])), str(path))
     if c.tie_embeddings:
         weight_map.pop("lm_head.weight", None)  # some exports write the tied head anyway
     unknown = sorted(set(weight_map) - set(expected_tensors(c)) - {"lm_head.weight"})
     if unknown:
-        raise config_lib.ConfigError(f"unsupported tensor(s) in {path}: {', '.join(unknown[:5])}")
+        raise config_lib.ConfigError(path, f"unsupported tensor(s): {', '.join(unknown[:5])}")
     return c, params

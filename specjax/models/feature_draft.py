@@ -222,21 +222,24 @@ def _config_from(d: dict) -> Config:
 
 
 def save(draft: FeatureDraft, directory: str | os.PathLike, extra: dict | None = None) -> None:
-    """Writes the directory (files replaced atomically, one by one)."""
+    """Writes the directory whole or not at all: into a sibling temporary directory, with a
+    SHA-256 manifest written last, then renamed into place (an earlier draft there is kept until
+    the rename succeeded). A directory that exists and is not a feature draft is refused."""
     from safetensors.numpy import save_file
 
+    from specjax import _files
+
     out = pathlib.Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not (out.is_dir() and (is_feature_draft(out) or not any(out.iterdir()))):
+        raise FileExistsError(f"{out} exists and is not a feature draft; refusing to replace it")
     tensors = _flat(draft.params)
     tensors["vocab_ids"] = np.asarray(draft.vocab_ids, np.int32)
-    tmp = out / (PARAMS_FILE + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, out / PARAMS_FILE)
     meta = {"format": FORMAT, "name": draft.name, "target": draft.target_name, "draft_vocab": draft.draft_vocab,
             "config": _config_dict(draft.config), **(extra or {})}
-    tmp = out / (CONFIG_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / CONFIG_FILE)
+    with _files.atomic_directory(out) as tmp:
+        save_file(tensors, str(tmp / PARAMS_FILE))
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+        _files.write_manifest(tmp)
 
 
 def is_feature_draft(directory: str | os.PathLike) -> bool:
@@ -244,16 +247,63 @@ def is_feature_draft(directory: str | os.PathLike) -> bool:
 
 
 def load(directory: str | os.PathLike, dtype=jnp.float32) -> FeatureDraft:
-    from safetensors.numpy import load_file
+    """The draft that `save` wrote. Every damaged or inconsistent file is a `LoadError` naming it:
+    a checksum that differs from the manifest (a draft saved with one), unreadable JSON or
+    safetensors, a missing field or tensor, a wrong shape, a non-finite weight."""
+    from specjax import _files
+    from specjax.models import convert
 
     d = pathlib.Path(directory)
     if not is_feature_draft(d):
-        raise FileNotFoundError(f"{d} is not a feature draft directory (no {CONFIG_FILE})")
-    meta = json.loads((d / CONFIG_FILE).read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{d / CONFIG_FILE}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    flat = load_file(str(d / PARAMS_FILE))
+        raise convert.MissingFileError(d, f"not a feature draft directory (no {CONFIG_FILE})")
+    convert.check_ours(d)  # a draft saved before manifests existed has none: the checks below still run
+    meta_file, params_file = d / CONFIG_FILE, d / PARAMS_FILE
+    meta = convert.read_json(meta_file)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise _files.LoadError(meta_file, f"format {got!r}, expected {FORMAT!r}")
+    try:
+        config = _config_from(meta["config"])
+    except KeyError as e:
+        raise _files.LoadError(meta_file, f"missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:  # an unknown or missing config field, a bad value
+        raise _files.LoadError(meta_file, f"invalid 'config' ({e})") from None
+    with convert.open_safetensors(params_file) as f:
+        try:
+            flat = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:
+            raise _files.LoadError(params_file, f"unreadable tensor data ({e}): damaged or truncated") from e
+    if "vocab_ids" not in flat:
+        raise _files.LoadError(params_file, "missing tensor 'vocab_ids'")
     vocab_ids = np.asarray(flat.pop("vocab_ids"), np.int32)
-    config = _config_from(meta["config"])
-    return FeatureDraft(config, _nest(flat, param_shapes(config, len(vocab_ids))), vocab_ids,
-                        meta.get("name") or d.name, meta.get("target"), dtype)
+    shapes = param_shapes(config, len(vocab_ids))
+    _check_flat(flat, shapes, params_file)
+    return FeatureDraft(config, _nest(flat, shapes), vocab_ids, meta.get("name") or d.name, meta.get("target"), dtype)
+
+
+def _check_flat(flat: dict, shapes: dict, source) -> None:
+    """Every parameter present with its shape (codes and scale of a quantized one), finite."""
+    from specjax import _files
+
+    got = {}
+    for key, v in flat.items():
+        name, _, part = key.partition("@")
+        if name not in shapes or part not in ("", "codes", "scale"):
+            raise _files.LoadError(source, f"unexpected tensor {key!r}")
+        got.setdefault(name, {})[part] = v
+    for name, shape in shapes.items():
+        parts = got.get(name)
+        if parts is None:
+            raise _files.LoadError(source, f"missing tensor {name!r}")
+        if "" in parts:
+            if tuple(parts[""].shape) != tuple(shape):
+                raise _files.LoadError(source, f"tensor {name!r} has shape {tuple(parts[''].shape)}, "
+                                               f"expected {tuple(shape)} from {CONFIG_FILE}")
+        elif set(parts) != {"codes", "scale"} or parts["codes"].ndim != 3 or \
+                int(np.prod(parts["codes"].shape)) != int(np.prod(shape)):
+            raise _files.LoadError(source, f"quantized tensor {name!r} does not hold the {tuple(shape)} "
+                                           f"parameter of {CONFIG_FILE}")
+        for part, a in parts.items():
+            if part != "codes" and not np.isfinite(a).all():
+                raise _files.LoadError(source, f"tensor {name + ('@' + part if part else '')!r} has "
+                                               f"{int((~np.isfinite(a)).sum())} non-finite values of {a.size}")

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from specjax._files import LoadError
 from specjax.models import config as config_lib
 from specjax.models import convert, llama, presets, quant
 from specjax.models.config import Config
@@ -126,26 +127,65 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
     its devices hold (`shards`, the quantized embedding and head included; a cached conversion
     is restored by orbax at those shardings).
     Pass the same mesh to the Engine: it keeps the placed params as they are.
+
+    A damaged, truncated or inconsistent input raises `LoadError` ("<file>: <problem>"); a
+    missing file is also a FileNotFoundError, a missing tensor also a KeyError. The cache is
+    keyed by every file read (see `_source_key`) and optional: failing to write it is a warning.
     """
     start = time.perf_counter()
     src = str(source)
     if src in presets.PRESETS:
-        path = presets.resolve(src)
+        path = presets.resolve(src)  # its SHA-256 checked (again whenever the file's stat changed)
         key = f"{src}-{presets.PRESETS[src].sha256[:16]}"
         name = src
-    elif src.endswith(".gguf") or pathlib.Path(src).is_dir():
+    elif src.endswith(".gguf") or pathlib.Path(src).is_dir() or pathlib.Path(src).is_file():
         path = pathlib.Path(src)
         if not path.exists():
-            raise FileNotFoundError(f"no such checkpoint: {src}")
-        st = path.stat() if path.is_file() else (path / "config.json").stat()
-        key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+            raise convert.MissingFileError(path, "no such checkpoint file or directory")
+        if not path.is_file() and not (path / "config.json").is_file():
+            from specjax.models import feature_draft
+
+            raise convert.MissingFileError(path, "a feature draft: load it with models.feature_draft.load"
+                                           if feature_draft.is_feature_draft(path) else
+                                           "no config.json: not a Hugging Face model directory")
+        if path.is_file() and not src.endswith(".gguf") and _magic(path) != b"GGUF":
+            raise convert.CheckpointError(path, "not a GGUF file (no GGUF magic) and not a model directory")
+        key = None  # made from the files read, below
         name = path.name
     else:
         raise presets.PresetError(f"unknown preset {src!r} (known presets: {', '.join(presets.PRESETS)}; "
                                   "or pass a .gguf file or a Hugging Face model directory)")
 
     is_gguf = path.is_file()
-    config, tokenizer = _read_config_and_tokenizer(path, is_gguf)
+    try:
+        if key is None:
+            key = _source_key(path, is_gguf)
+        config, tokenizer = _read_config_and_tokenizer(path, is_gguf)
+        return _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cache, keep_quantized,
+                            mesh, role)
+    except LoadError as e:  # a problem found where the file was not known yet: name the source
+        raise e.with_path(path) from e.__cause__
+
+
+def _magic(path: pathlib.Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+def _source_key(path: pathlib.Path, is_gguf: bool) -> str:
+    """The cache key of a checkpoint: every file that loading it reads (weights, config,
+    tokenizer), each by path, device, inode, size, mtime and ctime. Writing a file changes its
+    ctime, which (unlike mtime) no utime() call can set back, so replaced or altered weights are
+    converted afresh; a warm load only stats the files (no hash of the weights)."""
+    files = [path] if is_gguf else convert.files_read(path)
+    stamps = []
+    for f in files:
+        st = f.stat()
+        stamps.append(f"{f.resolve()}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}")
+    return hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:24]
+
+
+def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cache, keep_quantized, mesh, role):
     keep_quantized = keep_quantized and is_gguf
     ckpt_dir = presets.cache_dir() / "params" / f"{key}-v{_CONVERTER_VERSION}{'-q' if keep_quantized else ''}"
     if mesh is not None:
@@ -153,7 +193,10 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
         return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
     params, how = None, "converted"
     if cache and ckpt_dir.parent.is_dir():
-        _remove_stale_temporaries(ckpt_dir.parent)
+        try:
+            _remove_stale_temporaries(ckpt_dir.parent)
+        except OSError:  # a read-only cache: its temporaries stay, as does the load
+            pass
     if cache and ckpt_dir.exists():
         try:
             params = _restore(ckpt_dir, config)
@@ -165,7 +208,7 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
         params = (convert.load_gguf(path, keep_quantized=keep_quantized)[1] if is_gguf
                   else convert.load_hf_dir(path)[1])
         if cache:
-            _save(ckpt_dir, config, params)
+            _save_or_warn(ckpt_dir, config, params)
     # stored in the compute dtype (cast on the host for converted arrays: no float32 device copy)
     params = jax.tree.map(jnp.asarray, llama.cast_params(params, dtype))
     return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
@@ -204,7 +247,7 @@ def _load_sharded(path, is_gguf, config, ckpt_dir, dtype, cache, keep_quantized,
             logging.warning("ignoring unreadable parameter cache %s: %s", ckpt_dir, e)
     if cache and jax.process_count() == 1:  # several processes write no cache (see shards)
         params = shards.place(converted, shardings)
-        _save(ckpt_dir, config, params)
+        _save_or_warn(ckpt_dir, config, params)
         return llama.cast_params(params, dtype), "converted"
     return shards.place(lazy(jnp.dtype(dtype)), shardings), "converted"
 
@@ -213,20 +256,25 @@ def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
     from specjax.models import tokenizer as tokenizer_lib
 
     if is_gguf:
-        import gguf
-
         reader = convert.open_gguf(path)
-        fields = convert.gguf_fields(reader)
-        names = [t.name for t in reader.tensors]
-        rope_freqs = None
-        if "rope_freqs.weight" in names:
-            t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-            rope_freqs = gguf.quants.dequantize(t.data, t.tensor_type)
-        config = config_lib.from_gguf_fields(fields, tensor_names=names, rope_freqs=rope_freqs)
-        return config, tokenizer_lib.Tokenizer.from_gguf(reader)
-    config = config_lib.from_hf_dict(convert.read_json(path / "config.json"))
+        config = convert.gguf_config(reader, path)[0]
+        try:
+            return config, tokenizer_lib.Tokenizer.from_gguf(reader)
+        except LoadError as e:
+            raise e.with_path(path) from e.__cause__
+    config = convert.config_from_json(path / "config.json")
     tok = tokenizer_lib.Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
     return config, tok
+
+
+def _save_or_warn(ckpt_dir: pathlib.Path, config: Config, params) -> None:
+    """The cache is optional: a read-only or full cache directory (or any failure to write it)
+    is one warning, and the load goes on with the converted parameters."""
+    try:
+        _save(ckpt_dir, config, params)
+    except Exception as e:  # OSError (EROFS, ENOSPC, EACCES), or orbax's wrapping of one
+        logging.warning("could not write the parameter cache %s (%s); loading on without it",
+                        ckpt_dir, str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
 
 
 _MANIFEST = "manifest.json"  # SHA-256 of every other file, written last: a cache without it is incomplete
@@ -283,7 +331,7 @@ def _save(ckpt_dir: pathlib.Path, config: Config, params) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-class CacheError(ValueError):
+class CacheError(LoadError):
     """A converted-parameter cache that is incomplete, altered or not what this version writes."""
 
 

@@ -17,8 +17,10 @@ import importlib.metadata
 import os
 import pathlib
 
+from specjax._files import LoadError
 
-class PresetError(RuntimeError):
+
+class PresetError(LoadError, RuntimeError):
     """A preset is unknown, not installed, or its bytes are not the pinned ones."""
 
 

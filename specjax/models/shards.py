@@ -298,59 +298,29 @@ def _quant_linear(tensors, in_shape, out_shape, what="layers") -> quant.BlockQua
 
 
 def _tree(c: Config, tensor, source: str, dtype, quantized: Callable[[list], bool]) -> dict:
-    """The lazy tree; `tensor(hf_name)` opens a checkpoint tensor (KeyError when missing)."""
-    D, H, G, Dh, F, V = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.vocab_size
+    """The lazy tree, leaf for leaf the tree of `convert.build_params` (both follow
+    `convert.param_spec`); `tensor(hf_name)` opens a checkpoint tensor (KeyError when missing)."""
 
     def fetch(name, shape):
         try:
             t = tensor(name)
         except KeyError:
-            raise convert.MissingTensorError(f"missing tensor {name!r} in {source}") from None
+            raise convert.MissingTensorError(source, f"missing tensor {name!r}") from None
         if t.shape != shape:
-            raise ValueError(f"tensor {name!r} in {source} has shape {t.shape}, expected {shape}")
+            raise convert.shape_error(source, name, t.shape, shape)
         return t
 
-    def layer_tensors(suffix, shape):
-        return [fetch(f"model.layers.{i}.{suffix}", shape) for i in range(c.num_layers)]
+    def make(leaf: convert.Leaf):
+        what = "layers" if leaf.stacked else "other"  # the embedding, head and final norm: "other"
+        ts = [fetch(n, leaf.torch_shape) for n in leaf.names(c)]
+        arg = ts if leaf.stacked else ts[0]
+        if leaf.kind == "vector":
+            return _vector(arg, leaf.in_shape, dtype, what)
+        if quantized(ts):  # block-quantized: the layers as stacked, the embedding / head as one tensor
+            return _quant_linear(arg, leaf.in_shape, leaf.out_shape, what)
+        return _linear(arg, leaf.in_shape, leaf.out_shape, dtype, what)
 
-    def linear(suffix, in_shape, out_shape):
-        ts = layer_tensors(suffix, (math.prod(out_shape), math.prod(in_shape)))
-        if quantized(ts):
-            return _quant_linear(ts, in_shape, out_shape)
-        return _linear(ts, in_shape, out_shape, dtype, "layers")
-
-    def vector(suffix, shape):
-        return _vector(layer_tensors(suffix, (math.prod(shape),)), shape, dtype, "layers")
-
-    layers = {
-        "attn_norm": {"scale": vector("input_layernorm.weight", (D,))},
-        "mlp_norm": {"scale": vector("post_attention_layernorm.weight", (D,))},
-        "wq": linear("self_attn.q_proj.weight", (D,), (H, Dh)),
-        "wk": linear("self_attn.k_proj.weight", (D,), (G, Dh)),
-        "wv": linear("self_attn.v_proj.weight", (D,), (G, Dh)),
-        "wo": linear("self_attn.o_proj.weight", (H, Dh), (D,)),
-        "w_gate": linear("mlp.gate_proj.weight", (D,), (F,)),
-        "w_up": linear("mlp.up_proj.weight", (D,), (F,)),
-        "w_down": linear("mlp.down_proj.weight", (F,), (D,)),
-    }
-    if c.qkv_bias:
-        layers["bq"] = vector("self_attn.q_proj.bias", (H, Dh))
-        layers["bk"] = vector("self_attn.k_proj.bias", (G, Dh))
-        layers["bv"] = vector("self_attn.v_proj.bias", (G, Dh))
-    def table(name):  # [V, D] -> ours [D, V]; block-quantized as one unstacked [in, out] weight
-        t = fetch(name, (V, D))
-        if quantized([t]):
-            return _quant_linear(t, (D,), (V,), "other")
-        return _linear(t, (D,), (V,), dtype, "other")
-
-    params = {
-        "embed": table("model.embed_tokens.weight"),  # [D, V]
-        "layers": layers,
-        "final_norm": {"scale": _vector(fetch("model.norm.weight", (D,)), (D,), dtype, "other")},
-    }
-    if not c.tie_embeddings:
-        params["lm_head"] = table("lm_head.weight")
-    return params
+    return convert.map_spec(c, make)
 
 
 # --- the two formats ----------------------------------------------------------------------
@@ -358,17 +328,16 @@ def _tree(c: Config, tensor, source: str, dtype, quantized: Callable[[list], boo
 
 def lazy_hf_dir(path, dtype=np.float32):
     """(Config, lazy tree) of a directory with config.json and safetensors (as `convert.load_hf_dir`)."""
-    from safetensors import safe_open
-
     path = pathlib.Path(path)
-    c = config_lib.from_hf_dict(convert.read_json(path / "config.json"))
+    convert.check_ours(path)
+    c = convert.config_from_json(path / "config.json")
     weight_map = convert.safetensors_weight_map(path)
     handles = {}
 
     def tensor(name):
         shard = weight_map[name]
         if shard not in handles:
-            handles[shard] = safe_open(path / shard, framework="numpy")
+            handles[shard] = convert.open_safetensors(path / shard)
         return _SafetensorsTensor(handles[shard], name)
 
     tree = _tree(c, tensor, str(path), dtype, quantized=lambda ts: False)
@@ -376,31 +345,16 @@ def lazy_hf_dir(path, dtype=np.float32):
         weight_map.pop("lm_head.weight", None)
     unknown = sorted(set(weight_map) - set(convert.expected_tensors(c)) - {"lm_head.weight"})
     if unknown:
-        raise config_lib.ConfigError(f"unsupported tensor(s) in {path}: {', '.join(unknown[:5])}")
+        raise config_lib.ConfigError(path, f"unsupported tensor(s): {', '.join(unknown[:5])}")
     return c, tree
 
 
 def lazy_gguf(path, dtype=np.float32, *, keep_quantized: bool = True):
     """(Config, lazy tree) of a GGUF file (as `convert.load_gguf`): the reader memory-maps the file;
     nothing but the metadata (and a rope_freqs vector) is read here."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    fields = convert.gguf_fields(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    rope_freqs = None
-    if "rope_freqs.weight" in tensors:
-        t = tensors["rope_freqs.weight"]
-        rope_freqs = gguf.quants.dequantize(t.data, t.tensor_type)
-    c = config_lib.from_gguf_fields(fields, tensor_names=tensors.keys(), rope_freqs=rope_freqs)
-    by_hf = {}
-    for name, t in tensors.items():
-        hf = convert._hf_name(name)
-        if hf is None and name != "rope_freqs.weight":
-            raise config_lib.ConfigError(f"unsupported tensor {name!r} in {path} (not part of a "
-                                         f"{c.architecture} decoder this library implements)")
-        if hf is not None:
-            by_hf[hf] = t
+    reader = convert.open_gguf(path)
+    c, _ = convert.gguf_config(reader, path)
+    by_hf = convert.gguf_tensors(reader, c, path)
     permute = c.architecture == "llama"
 
     def tensor(hf_name):

@@ -32,6 +32,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
+from specjax._files import LoadError
+
 # llama.cpp's token types (gguf.TokenType).
 _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
@@ -132,38 +134,38 @@ class Tokenizer:
             where = getattr(getattr(reader, "data", None), "filename", None) or "GGUF file"
         else:
             where = os.fspath(path_or_reader)
-            if not os.path.isfile(where):
-                raise FileNotFoundError(f"GGUF file not found: {where}")
-            reader = gguf.GGUFReader(where)
+            from specjax.models import convert
+
+            reader = convert.open_gguf(where)  # a missing, empty or truncated file: a LoadError naming it
 
         def field(key, default=KeyError):
             f = reader.fields.get(key)
             if f is None:
                 if default is KeyError:
-                    raise ValueError(f"{where}: this GGUF file has no tokenizer metadata {key!r}")
+                    raise LoadError(where, f"this GGUF file has no tokenizer metadata {key!r}")
                 return default
             return f.contents()
 
         model = field("tokenizer.ggml.model")
         if model != "gpt2":
             kind = {"llama": " (SentencePiece)", "t5": " (Unigram)", "bert": " (WordPiece)"}.get(model, "")
-            raise ValueError(f"{where}: unsupported tokenizer model {model!r}{kind}; specjax builds "
-                             "byte-level BPE tokenizers only (tokenizer.ggml.model = 'gpt2')")
+            raise LoadError(where, f"unsupported tokenizer model {model!r}{kind}; specjax builds "
+                            "byte-level BPE tokenizers only (tokenizer.ggml.model = 'gpt2')")
         tokens = field("tokenizer.ggml.tokens")
         merges = field("tokenizer.ggml.merges")
         token_types = field("tokenizer.ggml.token_type", None) or [_NORMAL] * len(tokens)
         if len(token_types) != len(tokens):
-            raise ValueError(f"{where}: {len(token_types)} token types for {len(tokens)} tokens")
+            raise LoadError(where, f"{len(token_types)} token types for {len(tokens)} tokens")
         pre_name = pre if pre is not None else field("tokenizer.ggml.pre", None)
         if pre_name is None:
-            raise ValueError(f"{where}: this GGUF file has no 'tokenizer.ggml.pre'; pass pre= one of "
-                             f"{sorted(_PRE_TOKENIZERS)}")
+            raise LoadError(where, f"this GGUF file has no 'tokenizer.ggml.pre'; pass pre= one of "
+                            f"{sorted(_PRE_TOKENIZERS)}")
         if pre_name not in _PRE_TOKENIZERS:
-            raise ValueError(f"{where}: unknown pre-tokenizer {pre_name!r} (tokenizer.ggml.pre); "
-                             f"supported: {sorted(_PRE_TOKENIZERS)}")
+            raise LoadError(where, f"unknown pre-tokenizer {pre_name!r} (tokenizer.ggml.pre); "
+                            f"supported: {sorted(_PRE_TOKENIZERS)}")
         if field("tokenizer.ggml.add_space_prefix", False):
-            raise ValueError(f"{where}: tokenizer.ggml.add_space_prefix = True is not supported "
-                             "for a byte-level BPE")
+            raise LoadError(where, f"tokenizer.ggml.add_space_prefix = True is not supported "
+                            "for a byte-level BPE")
 
         backend = _byte_level_bpe(tokens, merges, token_types, pre_name, where)
         bos = field("tokenizer.ggml.bos_token_id", None)
@@ -172,8 +174,8 @@ class Tokenizer:
         for name, tid in (("bos", bos), ("eos", eos)):
             if field(f"tokenizer.ggml.add_{name}_token", False):
                 if tid is None:
-                    raise ValueError(f"{where}: tokenizer.ggml.add_{name}_token is set, "
-                                     f"but the file has no {name} token id")
+                    raise LoadError(where, f"tokenizer.ggml.add_{name}_token is set, "
+                                    f"but the file has no {name} token id")
                 template.append((name, tokens[tid], tid))
         if template:
             pieces = [t for n, t, _ in template if n == "bos"] + ["$A"]
@@ -192,8 +194,13 @@ class Tokenizer:
         hf_dir = os.fspath(hf_dir)
         path = os.path.join(hf_dir, "tokenizer.json")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no tokenizer.json in {hf_dir}")
-        backend = _Backend.from_file(path)
+            from specjax.models.convert import MissingFileError
+
+            raise MissingFileError(hf_dir, "no tokenizer.json in this directory")
+        try:
+            backend = _Backend.from_file(path)
+        except Exception as e:  # the library's own message ("EOF while parsing a string at line 56")
+            raise LoadError(path, f"not a readable tokenizer.json ({e}): damaged or truncated") from e
         config = _read_json(os.path.join(hf_dir, "tokenizer_config.json"))
         model_config = _read_json(os.path.join(hf_dir, "config.json"))
 
@@ -204,8 +211,8 @@ class Tokenizer:
             if token is not None:
                 tid = backend.token_to_id(token)
                 if tid is None:
-                    raise ValueError(f"{hf_dir}: {name} {token!r} of tokenizer_config.json is not in "
-                                     "the vocabulary of tokenizer.json")
+                    raise LoadError(os.path.join(hf_dir, "tokenizer_config.json"),
+                                    f"{name} {token!r} is not in the vocabulary of tokenizer.json")
                 return tid
             tid = model_config.get(f"{name}_id")
             return tid[0] if isinstance(tid, list) and tid else tid
@@ -312,11 +319,11 @@ def _byte_level_bpe(tokens, merges, token_types, pre_name, where) -> _Backend:
     at their own ids, as llama.cpp and transformers do."""
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
-        raise ValueError(f"{where}: the GGUF vocabulary has duplicate tokens")
+        raise LoadError(where, "the GGUF vocabulary has duplicate tokens")
     pairs = [tuple(m.split(" ")) for m in merges]
     bad = [m for m, p in zip(merges, pairs) if len(p) != 2]
     if bad:
-        raise ValueError(f"{where}: malformed tokenizer.ggml.merges (expected 'left right'): {bad[:3]}")
+        raise LoadError(where, f"malformed tokenizer.ggml.merges (expected 'left right'): {bad[:3]}")
     normalizer, pre_tokenizer, ignore_merges = _PRE_TOKENIZERS[pre_name]()
     backend = _Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
                                   ignore_merges=ignore_merges))
@@ -334,8 +341,14 @@ def _byte_level_bpe(tokens, merges, token_types, pre_name, where) -> _Backend:
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LoadError(path, f"not valid JSON ({e}): damaged or truncated") from None
+    if not isinstance(d, dict):
+        raise LoadError(path, f"a JSON {type(d).__name__}, not an object")
+    return d
 
 
 def _jinja_env():

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import _files
+
 EMPTY = -1  # key of a free slot; token ids are >= 0
 
 
@@ -169,7 +171,7 @@ def csd_count(memory: CSDMemory, draft_token, target_token) -> jax.Array:
 
 _MARKER = "specjax_csd_memory.json"  # written last into every saved memory: what may be replaced
 _ORBAX_ENTRIES = {"_CHECKPOINT_METADATA", "_METADATA", "_sharding", "manifest.ocdbt", "d", "descriptor",
-                  "array_metadatas", "commit_success.txt"}
+                  "array_metadatas", "commit_success.txt", _files.MANIFEST}
 
 
 def is_saved_memory(path) -> bool:
@@ -193,7 +195,9 @@ def save_csd_memory(path, memory: CSDMemory, *, overwrite: bool = False) -> None
     Nothing but a saved memory is ever removed: a `path` that exists and is not
     one is refused; an existing memory is replaced only with `overwrite=True`.
     The save goes to a temporary directory beside `path` that then takes its
-    place, so an interrupted save leaves the old memory (or nothing) there.
+    place, so an interrupted save leaves the old memory (or nothing) there; a
+    SHA-256 manifest of its files, written last, lets `load_csd_memory` catch
+    a flipped bit.
     """
     import shutil
 
@@ -227,6 +231,7 @@ def save_csd_memory(path, memory: CSDMemory, *, overwrite: bool = False) -> None
         ckptr.close()
         with open(os.path.join(tmp, _MARKER), "w") as f:
             json.dump({"format": "specjax-csd-memory", "version": 1, "pairs": int(len(stored))}, f)
+        _files.write_manifest(tmp)  # last: SHA-256 of every file, checked by load_csd_memory
         if os.path.lexists(path):
             os.replace(path, old)
         try:
@@ -244,15 +249,26 @@ def save_csd_memory(path, memory: CSDMemory, *, overwrite: bool = False) -> None
 def load_csd_memory(path, capacity: int | None = None, vocab_size: int | None = None) -> CSDMemory:
     """The memory `save_csd_memory` wrote at `path` (capacity None: the saved one).
 
-    vocab_size: refuse token ids outside it (a memory of another tokenizer)."""
+    vocab_size: refuse token ids outside it (a memory of another tokenizer).
+    A damaged memory (a file that differs from the manifest written at save, or one orbax
+    cannot read) is a `LoadError` naming the file; a memory saved before manifests existed
+    loads without that check."""
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"load_csd_memory: no saved memory at {path}")
-    tree = ocp.StandardCheckpointer().restore(path)
-    pairs_P2, counts_P = np.asarray(tree["pairs"], np.int32), np.asarray(tree["counts"], np.int32)
+    if os.path.isfile(os.path.join(path, _files.MANIFEST)):
+        # checked before orbax reads anything: damaged data never reaches tensorstore
+        _files.check_manifest(path)
+    try:
+        tree = ocp.StandardCheckpointer().restore(path)
+        pairs_P2, counts_P = np.asarray(tree["pairs"], np.int32), np.asarray(tree["counts"], np.int32)
+        saved_capacity = int(tree["capacity"])
+    except Exception as e:  # orbax / tensorstore's own messages run to many lines
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise _files.LoadError(path, f"not a readable saved CSD memory ({first})") from e
     if vocab_size is not None and len(pairs_P2) and pairs_P2.max() >= vocab_size:
         raise ValueError(f"load_csd_memory: {path} has token id {pairs_P2.max()}, outside a vocabulary of "
                          f"{vocab_size}: it was built for another tokenizer")
-    return csd_memory(int(tree["capacity"]) if capacity is None else capacity, pairs_P2, counts_P)
+    return csd_memory(saved_capacity if capacity is None else capacity, pairs_P2, counts_P)
