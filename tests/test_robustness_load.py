@@ -424,3 +424,19 @@ def test_feature_draft_save_is_atomic_and_refuses_what_it_did_not_write(draft, t
     with pytest.raises(FileExistsError, match="not a feature draft"):
         FD.save(draft, mine)
     assert (mine / "notes.txt").read_text() == "keep"
+
+
+def test_gguf_metadata_at_odds_with_its_tensors_is_named(tmp_path):
+    import gguf
+
+    path = write_gguf(tmp_path / "m.gguf", shape=GGUF_SMALL)
+    reader = gguf.GGUFReader(str(path), "r+")  # edits the memory map: the file itself
+    field = reader.fields["llama.attention.head_count"]
+    field.parts[field.data[0]][0] = GGUF_SMALL["num_heads"] // 2
+    del reader
+    for mesh in (None, "one-device"):
+        kwargs = {} if mesh is None else {"mesh": _one_device_mesh()}
+        with pytest.raises(LoadError, match="'blk.0.attn_q.weight'.*has shape|'model.layers.0.self_attn.q_proj"
+                                            ".weight' has shape") as e:
+            models.load(path, cache=False, **kwargs)
+        _one_line_naming(e, path)
