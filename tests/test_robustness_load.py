@@ -71,6 +71,21 @@ def test_replaced_weights_are_converted_afresh_not_served_from_the_cache(tmp_pat
     assert models.load(src).load_source == "orbax-cache"
 
 
+def test_a_warm_load_hashes_none_of_the_source_files(tmp_path, cache, monkeypatch):
+    """The key is made of stat() results: a warm load reads no byte of the weights to find it."""
+    from specjax.models import presets
+
+    src = _hf(tmp_path / "m")
+    _files.write_manifest(src)  # even a directory of ours is hashed only when it is converted
+    models.load(src)
+    hashed = []
+    for module in (presets, _files):
+        real = module.sha256_file
+        monkeypatch.setattr(module, "sha256_file", lambda p, *a, _real=real, **k: hashed.append(p) or _real(p, *a, **k))
+    assert models.load(src).load_source == "orbax-cache"
+    assert not [p for p in hashed if pathlib.Path(p).is_relative_to(src)], hashed
+
+
 @pytest.mark.parametrize("changed", ["model.safetensors", "config.json", "tokenizer.json"])
 def test_any_file_read_written_in_place_with_mtime_restored_misses_the_cache(changed, tmp_path, cache):
     src = _hf(tmp_path / "m")
