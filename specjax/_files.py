@@ -147,8 +147,7 @@ def atomic_directory(dest):
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
     old = dest.with_name(f".{dest.name}.old{os.getpid()}")
     for leftover in (tmp, old):
-        if leftover.exists():
-            shutil.rmtree(leftover)
+        _remove(leftover)
     tmp.mkdir()
     try:
         yield tmp
@@ -159,10 +158,16 @@ def atomic_directory(dest):
             except BaseException:
                 os.replace(old, dest)  # put the earlier one back
                 raise
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
         else:
             os.replace(tmp, dest)
         _fsync_dir(dest.parent)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
+
+
+def _remove(path: pathlib.Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)

@@ -140,3 +140,15 @@ def test_manifest_exclude_and_name(tmp_path):
     (d / "a").write_bytes(b"2")
     with pytest.raises(LoadError, match="SHA-256 differs"):
         _files.check_manifest(d, name="sums.json")
+
+
+def test_atomic_directory_replaces_a_file_or_link_without_leftovers(tmp_path):
+    (tmp_path / "f").write_text("a file")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    for name in ("f", "link"):
+        with _files.atomic_directory(tmp_path / name) as tmp:
+            (tmp / "x").write_bytes(b"1")
+        assert (tmp_path / name).is_dir() and not (tmp_path / name).is_symlink()
+        assert _snapshot(tmp_path / name) == {"x": b"1"}
+    assert sorted(os.listdir(tmp_path)) == ["f", "link", "target"] and not any((tmp_path / "target").iterdir())

@@ -4,7 +4,6 @@ file the conversion reads, and an unwritable or full cache is a warning, not a f
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import logging
@@ -69,6 +68,21 @@ def test_replaced_weights_are_converted_afresh_not_served_from_the_cache(tmp_pat
     np.testing.assert_array_equal(np.asarray(again.logits(TOKENS)), want)
     assert not np.array_equal(want, old)
     assert models.load(src).load_source == "orbax-cache"
+
+
+def test_a_warm_load_hashes_none_of_the_source_files(tmp_path, cache, monkeypatch):
+    """The key is made of stat() results: a warm load reads no byte of the weights to find it."""
+    from specjax.models import presets
+
+    src = _hf(tmp_path / "m")
+    _files.write_manifest(src)  # even a directory of ours is hashed only when it is converted
+    models.load(src)
+    hashed = []
+    for module in (presets, _files):
+        real = module.sha256_file
+        monkeypatch.setattr(module, "sha256_file", lambda p, *a, _real=real, **k: hashed.append(p) or _real(p, *a, **k))
+    assert models.load(src).load_source == "orbax-cache"
+    assert not [p for p in hashed if pathlib.Path(p).is_relative_to(src)], hashed
 
 
 @pytest.mark.parametrize("changed", ["model.safetensors", "config.json", "tokenizer.json"])
@@ -319,108 +333,17 @@ def test_a_non_finite_weight_is_refused(tmp_path):
     _one_line_naming(e, src / "model.safetensors")
 
 
-# --- feature drafts -----------------------------------------------------------------------------
+def test_gguf_metadata_at_odds_with_its_tensors_is_named(tmp_path):
+    import gguf
 
-
-@pytest.fixture(scope="module")
-def draft():
-    from experiments._models import random_tiny
-    from specjax.models import feature_draft as FD
-
-    target = random_tiny(0)
-    ids = np.arange(0, target.config.vocab_size, 3, dtype=np.int32)
-    params = FD.init_params(target.config, target.params, ids, seed=1)
-    return FD.FeatureDraft(FD.layer_config(target.config), params, ids, "test-draft")
-
-
-def _saved(draft, path, **changes):
-    from specjax.models import feature_draft as FD
-
-    FD.save(draft if not changes else dataclasses.replace(draft, **changes), path)
-    return path
-
-
-def test_feature_draft_damage_is_named(draft, tmp_path):
-    import jax
-
-    from specjax.models import feature_draft as FD
-
-    d = _saved(draft, tmp_path / "d")
-    back = FD.load(d)
-    for a, b in zip(jax.tree.leaves(draft.params), jax.tree.leaves(back.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    params_file = d / FD.PARAMS_FILE
-    data = bytearray(params_file.read_bytes())
-    data[-3] ^= 0x01
-    params_file.write_bytes(bytes(data))
-    with pytest.raises(LoadError, match="SHA-256 differs") as e:
-        FD.load(d)
-    _one_line_naming(e, params_file)
-    (d / _files.MANIFEST).unlink()  # no checksum (saved before manifests existed): the bit goes unseen
-    FD.load(d)
-    params_file.write_bytes(bytes(data[:5]))
-    with pytest.raises(LoadError, match="not a readable safetensors file") as e:
-        FD.load(d)
-    _one_line_naming(e, params_file)
-    (d / FD.CONFIG_FILE).write_text('{"format": "specjax-feature-draft-1"}')
-    with pytest.raises(LoadError, match="missing field 'config'") as e:
-        FD.load(d)
-    _one_line_naming(e, d / FD.CONFIG_FILE)
-    (d / FD.CONFIG_FILE).write_text('{"format": ')
-    with pytest.raises(LoadError, match="not valid JSON") as e:
-        FD.load(d)
-    _one_line_naming(e, d / FD.CONFIG_FILE)
-
-
-@pytest.mark.parametrize("value", [np.nan, np.inf])
-def test_a_feature_draft_with_a_non_finite_weight_is_refused(draft, tmp_path, value):
-    from specjax.models import feature_draft as FD
-
-    fc_w = np.array(draft.params["fc_w"])
-    fc_w[0, 0] = value
-    d = _saved(draft, tmp_path / "d", params=dict(draft.params, fc_w=fc_w))
-    with pytest.raises(LoadError, match="'fc_w' has 1 non-finite values") as e:
-        FD.load(d)
-    _one_line_naming(e, d / FD.PARAMS_FILE)
-
-
-def test_a_feature_draft_of_another_shape_is_refused(draft, tmp_path):
-    from safetensors.numpy import load_file, save_file
-
-    from specjax.models import feature_draft as FD
-
-    d = _saved(draft, tmp_path / "d")
-    (d / _files.MANIFEST).unlink()
-    tensors = load_file(str(d / FD.PARAMS_FILE))
-    tensors["fc_b"] = tensors["fc_b"][:-1]
-    save_file(tensors, str(d / FD.PARAMS_FILE))
-    with pytest.raises(LoadError, match="'fc_b' has shape") as e:
-        FD.load(d)
-    _one_line_naming(e, d / FD.PARAMS_FILE)
-    del tensors["fc_b"]
-    save_file(tensors, str(d / FD.PARAMS_FILE))
-    with pytest.raises(LoadError, match="missing tensor 'fc_b'"):
-        FD.load(d)
-
-
-def test_feature_draft_save_is_atomic_and_refuses_what_it_did_not_write(draft, tmp_path, monkeypatch):
-    from specjax.models import feature_draft as FD
-
-    d = _saved(draft, tmp_path / "d")
-    before = {f.name: f.read_bytes() for f in d.iterdir()}
-
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(_files, "write_manifest", full)  # the disk fills at the last file
-    with pytest.raises(OSError):
-        FD.save(draft, d)
-    assert {f.name: f.read_bytes() for f in d.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
-    monkeypatch.undo()
-    mine = tmp_path / "mine"
-    mine.mkdir()
-    (mine / "notes.txt").write_text("keep")
-    with pytest.raises(FileExistsError, match="not a feature draft"):
-        FD.save(draft, mine)
-    assert (mine / "notes.txt").read_text() == "keep"
+    path = write_gguf(tmp_path / "m.gguf", shape=GGUF_SMALL)
+    reader = gguf.GGUFReader(str(path), "r+")  # edits the memory map: the file itself
+    field = reader.fields["llama.attention.head_count"]
+    field.parts[field.data[0]][0] = GGUF_SMALL["num_heads"] // 2
+    del reader
+    for mesh in (None, "one-device"):
+        kwargs = {} if mesh is None else {"mesh": _one_device_mesh()}
+        with pytest.raises(LoadError, match="'blk.0.attn_q.weight'.*has shape|'model.layers.0.self_attn.q_proj"
+                                            ".weight' has shape") as e:
+            models.load(path, cache=False, **kwargs)
+        _one_line_naming(e, path)

@@ -335,7 +335,18 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
             w = _unpermute_rope_rows(w, c.num_heads if "q_proj" in hf_name else c.num_kv_heads)
         return w
 
-    params = build_params(c, lambda name: check_tensor(by_hf[name].name, get(name), str(path)), str(path))
+    def checked(name):
+        t = by_hf[name]  # KeyError: a missing tensor, named by build_params
+        try:
+            w = get(name)
+        except CheckpointError:
+            raise
+        except (ValueError, NotImplementedError, TypeError, IndexError) as e:  # gguf's own, or a shape
+            raise CheckpointError(path, f"tensor {t.name!r} ({getattr(t.tensor_type, 'name', t.tensor_type)}, "
+                                        f"shape {tuple(int(n) for n in t.shape)}) is unreadable: {e}") from e
+        return check_tensor(t.name, w, str(path))
+
+    params = build_params(c, checked, str(path))
     return c, params, fields
 
 

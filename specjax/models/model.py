@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from specjax._files import LoadError
-from specjax.models import config as config_lib
 from specjax.models import convert, llama, presets, quant
 from specjax.models.config import Config
 
