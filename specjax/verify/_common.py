@@ -2,16 +2,14 @@
 
 `row_stats` is the one place where rules read the logits: it takes every
 per-row statistic from `specjax.pallas.gate_stats` (the fused kernel on GPU/TPU,
-its jnp reference on CPU; `SPECJAX_PALLAS` / `pallas.set_impl` choose), or from
-`pallas.gate_stats_sharded` inside `use_vocab_sharding`, so each rule keeps the
-rest of its arithmetic on K-sized vectors.
+its jnp reference on CPU; `Backend.pallas` / `SPECJAX_PALLAS` choose), or from
+`pallas.gate_stats_sharded` when the backend has a `vocab_sharding`, so each rule
+keeps the rest of its arithmetic on K-sized vectors. Every rule takes `backend=None`
+(`specjax.backend.Backend`) and hands it here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import math
 import numbers
 from typing import NamedTuple
@@ -19,7 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax import pallas
+from specjax import backend as _backend, pallas
+from specjax.backend import VocabSharding  # noqa: F401  (re-exported by specjax.verify)
 
 ENTROPIES = ("normalized", "top3")
 
@@ -54,72 +53,13 @@ class RowStats(NamedTuple):
     logit_at: jax.Array  # f32[R], logits_RV[r, tokens_R[r]]; NaN for a token outside [0, V)
 
 
-@dataclasses.dataclass(frozen=True)
-class VocabSharding:
-    """Target logits sharded over the vocabulary on `mesh` axis (or axes) `vocab_axis`.
-
-    Each device then reduces its slice of V and the devices exchange 8 floats per
-    row (`pallas.gate_stats_sharded`); no device gathers whole rows of logits.
-    batch_axis: the mesh axis (or axes) the batch of rows is sharded on (e.g. "data"), passed
-    to the rules' vmaps as `spmd_axis_name` so rows stay on their devices;
-    it needs Auto mesh axes. With None (the default) the batch is replicated
-    across the other mesh axes for the statistics (correct, more traffic).
-    """
-
-    mesh: jax.sharding.Mesh
-    vocab_axis: str | tuple[str, ...] = "model"
-    batch_axis: str | tuple[str, ...] | None = None
-
-    def __post_init__(self):
-        names = {}
-        for field in ("vocab_axis", "batch_axis"):
-            axes = getattr(self, field)
-            names[field] = set(axes if isinstance(axes, tuple) else () if axes is None else (axes,))
-            for axis in names[field]:
-                if axis not in self.mesh.axis_names:
-                    raise ValueError(f"VocabSharding: {field} {axis!r} is not an axis of the mesh "
-                                     f"{self.mesh.axis_names}")
-        if not names["vocab_axis"]:
-            raise ValueError("VocabSharding: vocab_axis names no mesh axis")
-        if shared := names["vocab_axis"] & names["batch_axis"]:
-            raise ValueError(f"VocabSharding: batch_axis and vocab_axis share {sorted(shared)}")
-        if names["batch_axis"] and jax.sharding.AxisType.Explicit in self.mesh.axis_types:
-            raise ValueError("VocabSharding: batch_axis needs a mesh with Auto axis types (jax.make_mesh(..., "
-                             "axis_types=(AxisType.Auto,) * n)); on Explicit axes leave batch_axis=None")
-
-
-_VOCAB_SHARDING: contextvars.ContextVar[VocabSharding | None] = contextvars.ContextVar(
-    "specjax_verify_vocab_sharding", default=None)
-
-
-@contextlib.contextmanager
-def use_vocab_sharding(sharding: VocabSharding | None):
-    """Within this context `row_stats`, so every rule, reads vocabulary-sharded logits
-    through `pallas.gate_stats_sharded` (V must divide over the vocab axis).
-
-        with verify.use_vocab_sharding(verify.VocabSharding(mesh, "model")):
-            verdict = jax.jit(jax.vmap(verify.fly))(drafts_BK, logits_BKV)
-
-    Like `pallas.set_impl`, it acts when a function is traced: enter it around the
-    first call of a jitted function (the engine's program does this on a mesh).
-    None: the plain, unsharded statistics.
-    """
-    if sharding is not None and not isinstance(sharding, VocabSharding):
-        raise ValueError(f"use_vocab_sharding: expected a VocabSharding or None, got {sharding!r}")
-    token = _VOCAB_SHARDING.set(sharding)
-    try:
-        yield sharding
-    finally:
-        _VOCAB_SHARDING.reset(token)
-
-
-def vmap(fn):
-    """jax.vmap over a batch of rows; inside `use_vocab_sharding`, rows sharded on its batch axis.
+def vmap(fn, backend=None):
+    """jax.vmap over a batch of rows; with `backend.vocab_sharding`, rows sharded on its batch axis.
 
     On a mesh with Explicit axes, vmap needs every mapped argument's leading axis
     sharded alike: they are placed replicated there (the other axes keep theirs).
     """
-    sharding = _VOCAB_SHARDING.get()
+    sharding = None if backend is None else backend.vocab_sharding
     if sharding is None:
         return jax.vmap(fn)
     batched = jax.vmap(fn, spmd_axis_name=sharding.batch_axis)
@@ -136,22 +76,26 @@ def vmap(fn):
     return lambda *args: batched(*jax.tree.map(place, args))
 
 
-def row_stats(logits_RV: jax.Array, tokens_R: jax.Array) -> RowStats:
+def row_stats(logits_RV: jax.Array, tokens_R: jax.Array, backend=None) -> RowStats:
     """Per-row statistics in float32, from `specjax.pallas.gate_stats` (one read of the logits).
 
     logits_RV: float32 or bfloat16 (other floats are cast to float32); tokens_R: int[R].
     Rows need at least one finite logit; -inf logits are legal: they get p = 0 and
     take no part in the entropies. A token outside [0, V) gets logit_at = NaN, so a
     rule never accepts it loosely; rules mask padding past num_draft themselves.
+    backend: a `specjax.backend.Backend` (the Pallas choice, and `vocab_sharding` for logits
+    sharded over the vocabulary), None: the plain one.
     """
     if logits_RV.dtype not in (jnp.float32, jnp.bfloat16):
         logits_RV = logits_RV.astype(jnp.float32)
     tokens_R = tokens_R.astype(jnp.int32)
-    sharding = _VOCAB_SHARDING.get()
+    backend = _backend.of(backend)
+    sharding = backend.vocab_sharding
     if sharding is None:
-        g = pallas.gate_stats(logits_RV, tokens_R)
+        g = pallas.gate_stats(logits_RV, tokens_R, backend=backend)
     else:
-        g = pallas.gate_stats_sharded(logits_RV, tokens_R, mesh=sharding.mesh, vocab_axis=sharding.vocab_axis)
+        g = pallas.gate_stats_sharded(logits_RV, tokens_R, mesh=sharding.mesh, vocab_axis=sharding.vocab_axis,
+                                      backend=backend)
     # Invalid rows (a NaN, +inf, or no finite logit) have no argmax: -1, never a draft token, so no rule
     # accepts at that position and a next token read there is -1 (NAN_POLICY).
     valid_R = jnp.isfinite(g.max_logit) & ~jnp.isnan(g.lse)

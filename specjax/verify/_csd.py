@@ -27,12 +27,12 @@ def check_options(fn: str, *, min_count, tau, update, temperature=0.0) -> None:
         raise ValueError(f"{fn}: CSD is a temperature-0 rule; got temperature={temperature}")
 
 
-def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau):
+def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau, backend=None):
     """One sequence against the start-of-round table: (Verdict, pairs int32[K, 2], reached bool[K])."""
     d_K, L_RV, k = _common.check_inputs(fn, d_K, L_RV, k)
     K = d_K.shape[0]
     allowed_K = _common.check_loose_mask(fn, loose_mask, K)
-    stats = _common.row_stats(L_RV, _common.padded(d_K))
+    stats = _common.row_stats(L_RV, _common.padded(d_K), backend)
     t_K = stats.argmax[:K]
     ex_K = _common.exact_flags(d_K, stats.argmax, k)
     mis_K = _common.valid_mask(K, k) & ~ex_K
@@ -48,7 +48,7 @@ def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau):
 
 
 def csd(draft_tokens, target_logits, memory: CSDMemory, *, min_count=6, tau=0.01, update=True,
-        num_draft=None, loose_mask=None, temperature=0.0) -> tuple[Verdict, CSDMemory]:
+        num_draft=None, loose_mask=None, temperature=0.0, backend=None) -> tuple[Verdict, CSDMemory]:
     """CSD verification of one sequence; returns (Verdict, memory with this round's increments).
 
     draft_tokens int[K], target_logits float[K+1, V]. loose_mask bool[K]
@@ -58,14 +58,15 @@ def csd(draft_tokens, target_logits, memory: CSDMemory, *, min_count=6, tau=0.01
     check_options(fn, min_count=min_count, tau=tau, update=update, temperature=temperature)
     _csd_memory.check_memory(fn, memory)
     verdict, pairs_K2, reached_K = _decide(fn, draft_tokens, target_logits, memory, num_draft, loose_mask,
-                                           min_count=min_count, tau=tau)
+                                           min_count=min_count, tau=tau, backend=backend)
     if update:
         memory = _csd_memory.add(memory, pairs_K2, reached_K)
     return verdict, memory
 
 
 def csd_batch(draft_tokens_BK, target_logits_BKV, memory: CSDMemory, *, min_count=6, tau=0.01, update=True,
-              num_draft=None, active=None, loose_mask=None, temperature=0.0) -> tuple[Verdict, CSDMemory]:
+              num_draft=None, active=None, loose_mask=None, temperature=0.0,
+              backend=None) -> tuple[Verdict, CSDMemory]:
     """CSD for a batch sharing one memory: every row reads the start-of-round table.
 
     num_draft int[] or int[B]; active bool[B] (rows that add no increments when
@@ -85,9 +86,9 @@ def csd_batch(draft_tokens_BK, target_logits_BKV, memory: CSDMemory, *, min_coun
     mask_BK = jnp.ones((B, K), bool) if loose_mask is None else jnp.asarray(loose_mask)
 
     def row(d_K, L_RV, k, mask_K):
-        return _decide(fn, d_K, L_RV, memory, k, mask_K, min_count=min_count, tau=tau)
+        return _decide(fn, d_K, L_RV, memory, k, mask_K, min_count=min_count, tau=tau, backend=backend)
 
-    verdict, pairs_BK2, reached_BK = _common.vmap(row)(d_BK, L_BRV, k_B, mask_BK)
+    verdict, pairs_BK2, reached_BK = _common.vmap(row, backend)(d_BK, L_BRV, k_B, mask_BK)
     if update:
         inc_BK = reached_BK & active_B[:, None]
         memory = _csd_memory.add(memory, pairs_BK2.reshape(B * K, 2), inc_BK.reshape(B * K))

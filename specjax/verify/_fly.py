@@ -53,25 +53,26 @@ def loose_flags(ex_K, h_K, *, theta, window, rule: str, k) -> jax.Array:
 
 
 def fly(draft_tokens, target_logits, *, theta=0.3, window=6, entropy="normalized", rule="paper",
-        temperature=0.0, draft_probs=None, key=None, num_draft=None) -> Verdict:
+        temperature=0.0, draft_probs=None, key=None, num_draft=None, backend=None) -> Verdict:
     """FLy verification of one sequence: draft_tokens int[K], target_logits float[K+1, V].
 
     At T > 0, ex[i] is "speculative sampling accepts i" (same key use as
     speculative_sampling), entropy is taken on the untempered logits, and
     next_token is the residual sample at n. An accepted mismatch keeps its draft.
+    backend: a `specjax.backend.Backend` (Pallas choice, vocabulary sharding); None: plain.
     """
     fn = "fly"
     check_options(fn, theta=theta, window=window, entropy=entropy, rule=rule)
     temperature = _common.check_temperature(fn, temperature)
     d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
     K = d_K.shape[0]
-    stats = _common.row_stats(L_RV, _common.padded(d_K))
+    stats = _common.row_stats(L_RV, _common.padded(d_K), backend)
     if temperature == 0:
         ex_K = _common.exact_flags(d_K, stats.argmax, k)
     else:
         q_KV = _common.check_draft_probs(fn, draft_probs, K, L_RV.shape[1])
         ku, kr = jax.random.split(_common.check_key(fn, key))
-        stats_T = _sampling.tempered_stats(d_K, L_RV, temperature)
+        stats_T = _sampling.tempered_stats(d_K, L_RV, temperature, backend)
         ex_K = _sampling.sampling_flags(ku, d_K, stats_T, q_KV, k)
     h_K = _common.entropy_of(stats, entropy)[:K]
     loose_K = loose_flags(ex_K, h_K, theta=theta, window=window, rule=rule, k=k) & (stats.argmax[:K] >= 0)

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax import backend as _backend
 from specjax.verify import _asd, _common, _csd, _csd_memory, _fly, _greedy, _sampling, _typical
 from specjax.verify._common import Verdict
 
@@ -52,6 +53,7 @@ class Round(NamedTuple):
     active_B: jax.Array  # bool[B]
     q_BKV: Any  # float[B, K, V] draft probabilities, or None (point mass)
     temperature: float
+    backend: Any = None  # specjax.backend.Backend (None: plain), handed to the per-sequence functions
 
 
 def _field(default, help_text: str, choices: tuple | None = None):
@@ -100,10 +102,11 @@ class Rule:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def __call__(self, state, draft_tokens_BK, target_logits_BRV, *, num_draft_B=None, key=None, active_B=None,
-                 draft_probs_BKV=None, temperature: float = 0.0) -> tuple[Verdict, Any, RoundCounts]:
+                 draft_probs_BKV=None, temperature: float = 0.0, backend=None) -> tuple[Verdict, Any, RoundCounts]:
         """Verifies a batch; returns (Verdict of [B] arrays, new state, RoundCounts).
 
-        key is split per row and used only at temperature > 0.
+        key is split per row and used only at temperature > 0. backend: a
+        `specjax.backend.Backend` (the engine's program passes its own), None: plain.
         """
         fn = f"{type(self).__name__}()"
         temperature = self.check_temperature(temperature)
@@ -122,7 +125,8 @@ class Rule:
                 raise ValueError(f"{fn}: draft_probs must be [B, K, V] = {[B, K, L_BRV.shape[2]]} "
                                  f"(vocabulary of the target), got {list(q_BKV.shape)}")
         keys_B = jax.random.split(_common.check_key(fn, key), B) if temperature > 0 else None
-        verdict, state, spent_B = self._step(state, Round(d_BK, L_BRV, k_B, keys_B, active_B, q_BKV, temperature))
+        verdict, state, spent_B = self._step(state, Round(d_BK, L_BRV, k_B, keys_B, active_B, q_BKV, temperature,
+                                                         _backend.of(backend)))
         stopped_B = verdict.num_accepted < k_B  # the round ended on a rejected draft
         counts = RoundCounts(jnp.where(active_B, verdict.num_loose, 0),
                              jnp.where(active_B, verdict.num_loose + stopped_B.astype(jnp.int32), 0),
@@ -132,12 +136,12 @@ class Rule:
     def _step(self, state, rnd: Round) -> tuple[Verdict, Any, jax.Array]:
         """(verdict_B, new state, ledger charged f32[B]); a stateless rule verifies row by row."""
         def row(d_K, L_RV, key, q_KV, k):
-            return self._row(d_K, L_RV, key, q_KV, k, rnd.temperature)
+            return self._row(d_K, L_RV, key, q_KV, k, rnd.temperature, rnd.backend)
 
-        verdict = _common.vmap(row)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.q_BKV, rnd.k_B)
+        verdict = _common.vmap(row, rnd.backend)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.q_BKV, rnd.k_B)
         return verdict, state, jnp.zeros(verdict.num_accepted.shape, jnp.float32)
 
-    def _row(self, d_K, L_RV, key, q_KV, k, temperature) -> Verdict:
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend) -> Verdict:
         """One sequence: the rule's per-sequence function (stateless rules)."""
         raise NotImplementedError
 
@@ -153,16 +157,17 @@ def _per_row(fn, name, value, B, dtype):
 class Greedy(Rule, name="greedy"):
     """Exact verification ("greedy", also "exact"): output identical to the target's greedy decoding."""
 
-    def _row(self, d_K, L_RV, key, q_KV, k, temperature):
-        return _greedy.greedy(d_K, L_RV, num_draft=k)
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
+        return _greedy.greedy(d_K, L_RV, num_draft=k, backend=backend)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling(Rule, name="sampling", sampling=True):
     """Lossless speculative sampling (T > 0; greedy at T = 0)."""
 
-    def _row(self, d_K, L_RV, key, q_KV, k, temperature):
-        return _sampling.speculative_sampling(d_K, L_RV, key, draft_probs=q_KV, temperature=temperature, num_draft=k)
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
+        return _sampling.speculative_sampling(d_K, L_RV, key, draft_probs=q_KV, temperature=temperature, num_draft=k,
+                                              backend=backend)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -174,9 +179,9 @@ class Typical(Rule, name="typical", sampling=True):
     def check(self, fn):
         _typical.check_options(fn, epsilon=self.epsilon, delta=self.delta)
 
-    def _row(self, d_K, L_RV, key, q_KV, k, temperature):
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
         return _typical.typical(d_K, L_RV, key, epsilon=self.epsilon, delta=self.delta, temperature=temperature,
-                                num_draft=k)
+                                num_draft=k, backend=backend)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -191,9 +196,9 @@ class Fly(Rule, name="fly", sampling=True):
         _common.check_number(fn, "theta", self.theta)
         _fly.check_options(fn, theta=self.theta, window=self.window, entropy=self.entropy, rule=self.rule)
 
-    def _row(self, d_K, L_RV, key, q_KV, k, temperature):
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
         return _fly.fly(d_K, L_RV, theta=self.theta, window=self.window, entropy=self.entropy, rule=self.rule,
-                        temperature=temperature, draft_probs=q_KV, key=key, num_draft=k)
+                        temperature=temperature, draft_probs=q_KV, key=key, num_draft=k, backend=backend)
 
 
 def _check_gate(fn, theta, entropy):
@@ -208,10 +213,10 @@ def _entropy_gate_BK(theta, entropy, rnd: Round):
         return None
 
     def row(d_K, L_RV):
-        h_R = _common.entropy_of(_common.row_stats(L_RV, _common.padded(d_K)), entropy)
+        h_R = _common.entropy_of(_common.row_stats(L_RV, _common.padded(d_K), rnd.backend), entropy)
         return _fly.entropy_gate(h_R[:-1], theta)
 
-    return _common.vmap(row)(rnd.d_BK, rnd.L_BRV)
+    return _common.vmap(row, rnd.backend)(rnd.d_BK, rnd.L_BRV)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,10 +242,10 @@ class Asd(Rule, name="asd"):
     def _step(self, ledger_B, rnd):
         def row(d, L, budget_left, k, mask):
             return _asd.asd(d, L, budget_left, gate=self.gate, block_cap=self.block_cap, suffix=self.suffix,
-                            num_draft=k, loose_mask=mask)
+                            num_draft=k, loose_mask=mask, backend=rnd.backend)
 
         mask_BK = _entropy_gate_BK(self.theta, self.entropy, rnd)
-        verdict, left_B = _common.vmap(row)(rnd.d_BK, rnd.L_BRV, ledger_B, rnd.k_B, mask_BK)
+        verdict, left_B = _common.vmap(row, rnd.backend)(rnd.d_BK, rnd.L_BRV, ledger_B, rnd.k_B, mask_BK)
         left_B = jnp.where(rnd.active_B, left_B, ledger_B)
         return verdict, left_B, ledger_B - left_B
 
@@ -271,7 +276,7 @@ class Csd(Rule, name="csd"):
     def _step(self, memory, rnd):
         verdict, memory = _csd.csd_batch(rnd.d_BK, rnd.L_BRV, memory, min_count=self.min_count, tau=self.tau,
                                          update=self.update, num_draft=rnd.k_B, active=rnd.active_B,
-                                         loose_mask=_entropy_gate_BK(self.theta, self.entropy, rnd))
+                                         loose_mask=_entropy_gate_BK(self.theta, self.entropy, rnd), backend=rnd.backend)
         return verdict, memory, jnp.zeros(verdict.num_accepted.shape, jnp.float32)
 
 
