@@ -9,6 +9,7 @@ compiling, and turns the program's arrays into tokens and statistics.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Sequence
 
@@ -104,7 +105,7 @@ class Engine:
             raise ValueError("a FeatureDraft runs on one device only (its state has no sharding plan yet); "
                              "pass mesh=None, or a draft Model / 'pld' on a mesh")
         if mesh_config is not None:  # attention="pad": zero heads appended so that they divide the model axis
-            target, draft = sharding.prepare_models(mesh_config, target, draft)
+            target, draft = _prepare_models(mesh_config, target, draft)
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
@@ -274,6 +275,26 @@ class Engine:
         that `generate` reads)."""
         program, args = self._prepare(prompts, rule_state)
         return loop.Program.run.lower(program, **args)
+
+
+def _prepare_models(mesh_config: MeshConfig, target, draft):
+    """(target, draft) as the engine runs them: with padded heads under attention="pad" (here, not
+    in `sharding`, which sees a model's config and arrays but never the Model type it is loaded as).
+
+    draft: anything `Engine` accepts; a Model (alone or in ("pld", Model)) is padded too
+    unless it is replicated.
+    """
+    if mesh_config.attention != "pad":
+        return target, draft
+    mesh, rules = mesh_config.mesh, mesh_config.rules
+    n = math.lcm(rules.size(mesh, "heads"), rules.size(mesh, "kv_heads"))
+    target = sharding.pad_heads(target, n)
+    if mesh_config.draft == "shard":
+        if isinstance(draft, Model):
+            draft = sharding.pad_heads(draft, n)
+        elif isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[1], Model):
+            draft = (draft[0], sharding.pad_heads(draft[1], n))
+    return target, draft
 
 
 def _backend(layout, matmul: str) -> Backend:

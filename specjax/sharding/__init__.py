@@ -43,11 +43,11 @@ from specjax.sharding._memory import bytes_per_device, max_bytes_per_device, mem
 from specjax.sharding._pad import pad_heads, padded_counts
 from specjax.sharding._rules import ATTENTION, CACHE_AXES, DRAFT, LOGITS_AXES, MESH_AXES, PARAM_AXES, ROWS_AXES
 from specjax.sharding._rules import MeshConfig, ModelPlan, ShardingRules
-from specjax.sharding._rules import auto_mesh, fit_spec, param_specs, plan_model, prepare_models
+from specjax.sharding._rules import auto_mesh, fit_spec, param_specs, plan_model
 
 __all__ = [
     "ATTENTION", "CACHE_AXES", "DRAFT", "LOGITS_AXES", "MESH_AXES", "PARAM_AXES", "ROWS_AXES",
     "Layout", "MeshConfig", "ModelPlan", "ShardingRules", "auto_mesh", "bytes_per_device", "describe",
     "fit_spec", "make_layout", "max_bytes_per_device", "memory_report", "pad_heads", "padded_counts",
-    "param_specs", "place", "plan_model", "prepare_models",
+    "param_specs", "place", "plan_model",
 ]

@@ -132,28 +132,6 @@ class MeshConfig:
         return config
 
 
-def prepare_models(mesh_config: MeshConfig, target, draft):
-    """(target, draft) as the engine runs them: with padded heads under attention="pad".
-
-    draft: anything `Engine` accepts; a Model (alone or in ("pld", Model)) is padded too
-    unless it is replicated.
-    """
-    if mesh_config.attention != "pad":
-        return target, draft
-    from specjax.models.model import Model
-    from specjax.sharding._pad import pad_heads
-
-    mesh, rules = mesh_config.mesh, mesh_config.rules
-    n = math.lcm(rules.size(mesh, "heads"), rules.size(mesh, "kv_heads"))
-    target = pad_heads(target, n)
-    if mesh_config.draft == "shard":
-        if isinstance(draft, Model):
-            draft = pad_heads(draft, n)
-        elif isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[1], Model):
-            draft = (draft[0], pad_heads(draft[1], n))
-    return target, draft
-
-
 def auto_mesh(mesh: Mesh) -> Mesh:
     """The same devices and axes with Auto axis types: GSPMD partitions the program."""
     if all(t == AxisType.Auto for t in mesh.axis_types):
