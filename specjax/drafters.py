@@ -33,7 +33,7 @@ from specjax.models.model import Model
 @runtime_checkable
 class Drafter(Protocol):
     """The contract every drafter implements (PromptLookup, ModelDrafter, MultiLevel, FeatureDrafter,
-    LookupFirst). Shapes: B rows, T prompt width, S cache length, K = `k`, V vocabulary, D width.
+    LookupFirst). Shapes: docs/rules.md, shape legend (K = `k`).
 
     k: the most tokens proposed per round. name: shown in statistics and results.
     uses_features: whether the drafter reads the target's last-layer hidden states; the loop then

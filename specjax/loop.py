@@ -19,8 +19,7 @@ prompts, the seed, the rule's starting state) is a keyword argument. How the
 program computes (matmul path, head chunking, attention and Pallas kernels, the
 mesh, vocabulary sharding) is its `backend` (`specjax.backend.Backend`), handed as
 an argument to the model's forward, the drafter and the rule: no context decides it.
-Shape legend: docs/rules.md (B rows, T prompt width, S cache length, K drafts,
-R = K + 1 scored positions, V vocabulary).
+Shapes: docs/rules.md, shape legend.
 """
 
 from __future__ import annotations

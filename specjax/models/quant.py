@@ -33,8 +33,20 @@ def _bytes(*arrays) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays if a is not None)
 
 
+class _Coded:
+    """What every block-coded weight shares: float32 values, and the bytes of its arrays."""
+
+    @property
+    def dtype(self):
+        return jnp.float32
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(*self.stored())
+
+
 @struct.dataclass
-class BlockQuant:
+class BlockQuant(_Coded):
     """A weight of logical shape `shape` = (codes * scale + offset).reshape(shape).
 
     Linear weights (ours are [*in, *out]): codes int8[in/bs, bs, out], scale/offset float32[in/bs, 1, out].
@@ -46,13 +58,8 @@ class BlockQuant:
     offset: jax.Array | None
     shape: tuple[int, ...] = struct.field(pytree_node=False)
 
-    @property
-    def dtype(self):
-        return jnp.float32
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.codes, self.scale, self.offset)
+    def stored(self) -> tuple:
+        return self.codes, self.scale, self.offset
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         w = self.codes.astype(jnp.float32) * self.scale
@@ -62,7 +69,7 @@ class BlockQuant:
         return w.reshape(*lead, *self.shape).astype(dtype)
 
 
-class Relaid:
+class Relaid(_Coded):
     """Base of a BlockQuant kept in another layout for a kernel (`specjax.native` defines them:
     `native.PackedQuant`, `native.Q8Tiles`). What this module needs of one: float32 values,
     their bytes, and the same weight as a row-major BlockQuant (`unpacked`). A subclass has
@@ -73,13 +80,8 @@ class Relaid:
 
     any_rows: ClassVar[bool] = False
 
-    @property
-    def dtype(self):
-        return jnp.float32
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.data, self.scale, self.offset)
+    def stored(self) -> tuple:
+        return self.data, self.scale, self.offset
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return self.unpacked().dequantize(dtype)

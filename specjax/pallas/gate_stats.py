@@ -153,7 +153,7 @@ def gate_partials(x_MV, tok_M, *, impl="kernel", interpret=None, variant=None,
 
 
 def gate_stats(logits, tokens=None, *, impl=None, interpret=None, variant=None,
-               block_v=None, block_n=None, num_splits=None, backend=None) -> GateStats:
+               block_v=None, block_n=None, num_splits=None, backend=None, checked=False) -> GateStats:
     """Per-row GateStats of logits [..., V] (float32 or bfloat16), in one pass.
 
     tokens: integer [...] (e.g. the draft token of each row) whose logit to report, or None.
@@ -163,9 +163,11 @@ def gate_stats(logits, tokens=None, *, impl=None, interpret=None, variant=None,
       of two for triton). block_n: rows per mosaic tile (multiple of 8). num_splits:
       vocabulary splits per row (triton default: enough to fill the device). backend: a
       `specjax.backend.Backend` (its pallas impl, platform and mesh), None: the plain one.
+    checked: the caller validated logits and tokens already (`verify`'s rules do, once per trace).
     Rows need at least one finite logit; a row of only -inf has lse -inf and NaN entropies.
     """
-    check_inputs(logits, tokens)
+    if not checked:
+        check_inputs(logits, tokens)
     if _dispatch.resolve_impl(impl, backend) == "reference":
         return gate_stats_reference(logits, tokens)
     *lead, V = logits.shape

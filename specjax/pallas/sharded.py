@@ -79,16 +79,18 @@ def _unpack(a) -> GatePartials:
 
 def gate_stats_sharded(logits, tokens=None, *, mesh: Mesh, vocab_axis, row_axis=None,
                        impl=None, interpret=None, variant=None, block_v=None,
-                       block_n=None, num_splits=None, backend=None) -> GateStats:
+                       block_n=None, num_splits=None, backend=None, checked=False) -> GateStats:
     """`gate_stats` of logits [..., V] sharded over V on `mesh` axis `vocab_axis`.
 
     V must divide evenly over `vocab_axis`. row_axis: mesh axis (or axes) the flattened
     rows are sharded on (None: rows replicated); M must divide evenly over it. The
     result is sharded over `row_axis` and replicated over `vocab_axis`. impl: None
     (kernel on GPU/TPU, jnp partials on CPU), "kernel" or "reference"; the other
-    options are those of `gate_stats` (backend: its pallas impl and platform).
+    options are those of `gate_stats` (backend: its pallas impl and platform; checked: the caller
+    validated the inputs).
     """
-    check_inputs(logits, tokens)
+    if not checked:
+        check_inputs(logits, tokens)
     *lead, V = logits.shape
     lead = tuple(lead)
     M = int(np.prod(lead, dtype=np.int64))

@@ -23,6 +23,8 @@ for the exact flags and the regrets and hands them to that selection.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -60,7 +62,7 @@ def asd(draft_tokens, target_logits, budget_left, *, gate=0.25, block_cap=2, suf
     d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
     K = d_K.shape[0]
     budget = jnp.asarray(budget_left, jnp.float32)
-    stats = _common.row_stats(L_RV, _common.padded(d_K), backend)
+    stats = _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True)
     ex_K = _common.exact_flags(d_K, stats.argmax, k)
     mis_K = _common.valid_mask(K, k) & ~ex_K
     # Logit regret of the mismatches only, so that padding (maybe nan) never
@@ -70,3 +72,34 @@ def asd(draft_tokens, target_logits, budget_left, *, gate=0.25, block_cap=2, suf
                                loose_mask=_common.check_loose_mask(fn, loose_mask, K), backend=backend)
     n = sel.num_accepted
     return Verdict(n, stats.argmax[n], sel.num_loose), sel.budget_left
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Asd(_common.Rule, name="asd"):
+    """ASD: mismatches paid from a per-request regret budget (the state: one ledger per row)."""
+    budget: float = _common.option(8.0, "asd: request-level regret budget")
+    gate: float = _common.option(0.25, "asd: per-mismatch regret gate g")
+    block_cap: int = _common.option(2, "asd: loose mismatches per block m")
+    suffix: str = _common.option("count", "asd: suffix weight", SUFFIXES)
+    theta: float | None = _common.option(None, "entropy gate on loose acceptance (unset: off)")
+    entropy: str = _common.option("normalized", "entropy kind of the gate", _common.ENTROPIES)
+
+    def check(self, fn):
+        check_options(fn, gate=self.gate, block_cap=self.block_cap, suffix=self.suffix)
+        _common.check_number(fn, "budget", self.budget)
+        if self.budget < 0:
+            raise ValueError(f"{fn}: budget must be >= 0, got {self.budget}")
+        _common.check_gate(fn, self.theta, self.entropy)
+
+    def init_state(self, batch_size):
+        return jnp.full((batch_size,), self.budget, jnp.float32)
+
+    def _step(self, ledger_B, rnd):
+        def row(d, L, budget_left, k, mask):
+            return asd(d, L, budget_left, gate=self.gate, block_cap=self.block_cap, suffix=self.suffix,
+                       num_draft=k, loose_mask=mask, backend=rnd.backend)
+
+        mask_BK = _common.entropy_gate_BK(self.theta, self.entropy, rnd)
+        verdict, left_B = _common.vmap(row, rnd.backend)(rnd.d_BK, rnd.L_BRV, ledger_B, rnd.k_B, mask_BK)
+        left_B = jnp.where(rnd.active_B, left_B, ledger_B)
+        return verdict, left_B, ledger_B - left_B

@@ -9,6 +9,9 @@ scatter-add. Temperature 0 only.
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
+
 import jax.numpy as jnp
 
 from specjax.verify import _common, _csd_memory
@@ -32,7 +35,7 @@ def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau, backend=Non
     d_K, L_RV, k = _common.check_inputs(fn, d_K, L_RV, k)
     K = d_K.shape[0]
     allowed_K = _common.check_loose_mask(fn, loose_mask, K)
-    stats = _common.row_stats(L_RV, _common.padded(d_K), backend)
+    stats = _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True)
     t_K = stats.argmax[:K]
     ex_K = _common.exact_flags(d_K, stats.argmax, k)
     mis_K = _common.valid_mask(K, k) & ~ex_K
@@ -100,3 +103,34 @@ def _batch_arg(fn, name, value, B):
     if x.shape not in ((), (B,)):
         raise ValueError(f"{fn}: {name} must be a scalar or [B] = [{B}], got {list(x.shape)}")
     return x
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Csd(_common.Rule, name="csd"):
+    """CSD: a mismatch passes when the memory has seen the pair often and the target finds it close.
+
+    The memory is the rule's state: `init_state` gives an empty one of `capacity`
+    pairs; a calibrated one is passed as starting state (`Engine.generate(rule_state=)`).
+    """
+    min_count: int = _common.option(6, "csd: memory count a pair must exceed (lambda)")
+    tau: float = _common.option(0.01, "csd: consistency threshold (log-probability gap >= log tau)")
+    update: bool = _common.option(True, "csd: update the memory online")
+    capacity: int = _common.option(1 << 16, "csd: pairs an empty memory holds")
+    theta: float | None = _common.option(None, "entropy gate on loose acceptance (unset: off)")
+    entropy: str = _common.option("normalized", "entropy kind of the gate", _common.ENTROPIES)
+
+    def check(self, fn):
+        check_options(fn, min_count=self.min_count, tau=self.tau, update=self.update)
+        if not isinstance(self.capacity, numbers.Integral) or isinstance(self.capacity, bool) or self.capacity < 1:
+            raise ValueError(f"{fn}: capacity must be an int >= 1, got {self.capacity!r}")
+        _common.check_gate(fn, self.theta, self.entropy)
+
+    def init_state(self, batch_size):
+        return _csd_memory.csd_memory(self.capacity)
+
+    def _step(self, memory, rnd):
+        verdict, memory = csd_batch(rnd.d_BK, rnd.L_BRV, memory, min_count=self.min_count, tau=self.tau,
+                                    update=self.update, num_draft=rnd.k_B, active=rnd.active_B,
+                                    loose_mask=_common.entropy_gate_BK(self.theta, self.entropy, rnd),
+                                    backend=rnd.backend)
+        return verdict, memory, jnp.zeros(verdict.num_accepted.shape, jnp.float32)

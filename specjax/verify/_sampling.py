@@ -8,6 +8,8 @@ starts with `uniform(ku, (k,))`, so num_draft = k gives exactly the K = k result
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -18,7 +20,7 @@ from specjax.verify._common import Verdict
 
 def tempered_stats(d_K, L_RV, temperature: float, backend=None) -> _common.RowStats:
     """Statistics of (L - max L) / T, so that p[i] = exp(tempered(L[i]) - lse[i]) (`sampling.tempered`)."""
-    return _common.row_stats(sampling.tempered(L_RV, temperature), _common.padded(d_K), backend)
+    return _common.row_stats(sampling.tempered(L_RV, temperature), _common.padded(d_K), backend, checked=True)
 
 
 def sampling_flags(ku, d_K, stats_T, q_KV, k) -> jax.Array:
@@ -64,3 +66,12 @@ def speculative_sampling(draft_tokens, target_logits, key, *, draft_probs=None, 
     stats_T = tempered_stats(d_K, L_RV, temperature, backend)
     n = _common.accepted_count(sampling_flags(ku, d_K, stats_T, q_KV, k))
     return Verdict(n, residual_sample(kr, d_K, L_RV, stats_T, q_KV, temperature, n, k), jnp.int32(0))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling(_common.Rule, name="sampling", sampling=True):
+    """Lossless speculative sampling (T > 0; greedy at T = 0)."""
+
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
+        return speculative_sampling(d_K, L_RV, key, draft_probs=q_KV, temperature=temperature, num_draft=k,
+                                    backend=backend)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -37,5 +39,19 @@ def typical(draft_tokens, target_logits, key, *, epsilon=0.09, delta=0.3, temper
     next_token = jax.random.categorical(kr, sampling.tempered(L_RV[n], temperature) - stats_T.lse[n]).astype(jnp.int32)
     next_token = jnp.where(stats_T.argmax[n] >= 0, next_token, _common.INVALID_TOKEN)
     # "Loose" is measured against the untempered argmax, as docs/rules.md defines ex.
-    ex_K = _common.exact_flags(d_K, _common.row_stats(L_RV, _common.padded(d_K), backend).argmax, k)
+    ex_K = _common.exact_flags(d_K, _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True).argmax, k)
     return Verdict(n, next_token, _common.count_before(~ex_K, n))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Typical(_common.Rule, name="typical", sampling=True):
+    """Medusa's typical acceptance (a baseline; greedy at T = 0)."""
+    epsilon: float = _common.option(0.09, "typical: epsilon")
+    delta: float = _common.option(0.3, "typical: delta")
+
+    def check(self, fn):
+        check_options(fn, epsilon=self.epsilon, delta=self.delta)
+
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
+        return typical(d_K, L_RV, key, epsilon=self.epsilon, delta=self.delta, temperature=temperature,
+                       num_draft=k, backend=backend)
