@@ -33,7 +33,7 @@ def target_features(target, tokens_NT, batch: int = 8):
     """(features float32[N, T, D], argmax int32[N, T]) of the target teacher-forced on tokens_NT."""
     import jax
     import jax.numpy as jnp
-    from specjax.models import llama
+    from specjax.models import llama, quant
 
     @jax.jit
     def run(params, toks):
@@ -158,7 +158,7 @@ def make_fns(cfg, make_optimizer, steps: int, lr: float, warmup: int, weight_dec
     import jax.numpy as jnp
     import optax
     from specjax.models import feature_draft as FD
-    from specjax.models import llama
+    from specjax.models import llama, quant
 
     optimizer, _ = make_optimizer(steps, lr, warmup, weight_decay, clip)
 
@@ -308,16 +308,17 @@ def step_cost(target, draft, rounds: int, context: int = 256) -> dict:
 
     @jax.jit
     def f_t(p, c):
-        with quant.native_matmul(quant.default_native()):  # the kernel the engine uses, if any
-            return llama.forward_cached(target.config, p, tok, c, dtype=target.dtype)
+        # the kernels the engine uses, if any
+        return llama.forward_cached(target.config, p, tok, c, dtype=target.dtype, backend=engine.backend)
     cache_d = llama.init_cache(draft.config, 1, context + 8, jnp.float32)
     pos = jnp.full((1, 1), context, jnp.int32)
 
     @jax.jit
     def f_d(p, c):
         zero_f = jnp.zeros((1, 1, draft.config.hidden_size))
-        f, c = FD.features(draft.config, p["net"], llama.embed_tokens(p["embed"], tok), zero_f, pos, c)
-        return jnp.argmax(FD.logits(draft.config, p["net"], f), axis=-1), c
+        f, c = FD.features(draft.config, p["net"], llama.embed_tokens(p["embed"], tok), zero_f, pos, c,
+                           backend=engine.backend)
+        return jnp.argmax(FD.logits(draft.config, p["net"], f, backend=engine.backend), axis=-1), c
 
     run_t = lambda: jax.block_until_ready(f_t(tparams, cache_t))  # noqa: E731
     run_d = lambda: jax.block_until_ready(f_d(dparams, cache_d))  # noqa: E731

@@ -55,8 +55,9 @@ def main(argv):
     import numpy as np
 
     from specjax import models, native
-    from specjax.engine import _pack
-    from specjax.models import llama, quant
+    from specjax.backend import Backend
+    from specjax.models import llama
+    from specjax.native import pack_params as _pack
 
     if not native.available():
         raise app.UsageError("the native kernel is not available here (see specjax.native)")
@@ -83,7 +84,7 @@ def main(argv):
     for M in rows_list:
         for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
             ws = {p: params["layers"][name] for p, params in paths.items()}
-            if not all(isinstance(w, (quant.PackedQuant, quant.Q8Tiles)) for w in ws.values()):
+            if not all(isinstance(w, (native.PackedQuant, native.Q8Tiles)) for w in ws.values()):
                 continue
             K = int(np.prod(ws[next(iter(ws))].shape[:2 if name == "wo" else 1]))  # wo: [H, Dh, D]
             x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
@@ -94,9 +95,10 @@ def main(argv):
                 p: head_call(params["head_tiles"], x) for p, params in paths.items()}
     cache = llama.init_cache(c, 1, _CACHE_LEN.value, jnp.float32)._replace(
         lengths=jnp.array([_CONTEXT.value], jnp.int32))
-    def run(params, tokens, cache):  # the settings apply where the function is traced
-        with quant.native_matmul(True), quant.native_attention(True):
-            return llama.forward_cached(c, params, tokens, cache)[0]
+    backend = Backend(matmul="native", kernels=native, native_attention=True)
+
+    def run(params, tokens, cache):
+        return llama.forward_cached(c, params, tokens, cache, backend=backend)[0]
 
     # as the engine runs them: native matmuls and native attention on both paths
     steps = {p: jax.jit(run) for p in paths}

@@ -10,22 +10,8 @@ The path of a request: `Engine.generate` -> `loop.Program.run` (prefill, then on
 while_loop of rounds: drafter.propose -> Program.score -> rule(...) -> Program.commit)
 -> tokens, and `metrics.statistics` of the loop's counters.
 
-Shape legend. Array names carry their shape as a suffix of these letters, no
-separators (`logits_BRV`, `n_B`, `cache_k_NBSGDh`):
-
-    B  rows of a batch                 V  vocabulary
-    T  prompt / fed tokens             D  model width
-    S  cache length (max_len)          F  MLP width
-    K  draft tokens per round          H  query heads
-    R  scored positions, K + 1         G  key/value heads
-    J  tokens a row emits in a commit  Q  query heads per key/value head, H / G
-    W  a compiled verify width         Dh head dim
-    N  layers                          P  pairs given to a CSD memory
-    C  slots of a CSD memory table     E  entries of a memory update
-    M  rows of a flattened [..., V] block in a kernel; Y vocabulary splits (or shards) there
-
-As base names, `L` is the target's logits and `d`, `t`, `n` the drafts, the
-target's argmax and the accepted count, as docs/rules.md writes them.
+Array names carry their shape as a suffix of one-letter dimension names (`logits_BRV`,
+`n_B`, `cache_k_NBSGDh`): docs/rules.md, "Shape legend", is the one legend.
 """
 
 from specjax import models

@@ -3,7 +3,7 @@
 With libtpu installed (`pip install -e .[tpu-aot]`, the version the installed jax
 pins), `jax.experimental.topologies` describes the devices of a TPU slice on any
 host. A mesh over them, an `Engine` of abstract models (`models.abstract`) and
-`Engine.lower` under `pallas.compile_for("tpu")` give the whole generation program
+`Engine.lower` (whose backend chooses kernels for the mesh's platform) give the whole generation program
 as the TPU compiler builds it: the Pallas kernels trace as compiled Mosaic kernels
 (not interpreted, although the host's backend is the CPU), and the
 executable's `memory_analysis()` gives the bytes each chip needs.
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from specjax import pallas, sharding
+from specjax import sharding
 
 GIB = 1 << 30
 # HBM per chip (bytes), by the topology name's chip generation.
@@ -171,10 +171,9 @@ def compile_report(engine, prompts, topology: str) -> CompileReport:
     mesh = engine.layout.mesh
     plan = sharding.memory_report(engine, len(prompts), engine.max_len)
     start = time.perf_counter()
-    platform = mesh.devices.flat[0].platform
-    # kernels for the mesh's platform, not the host's (eager ops, e.g. a rule's fresh state, stay on the host)
-    with pallas.compile_for(platform):
-        lowered = engine.lower(prompts)
+    # the engine's backend chose the kernels for the mesh's platform, not the host's
+    # (eager ops, e.g. a rule's fresh state, stay on the host)
+    lowered = engine.lower(prompts)
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:

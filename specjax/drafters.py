@@ -2,16 +2,9 @@
 
 `from_spec(draft, target, k)` turns the Engine's `draft` argument (None, "pld",
 "self:N", a Model, ("pld", Model), a FeatureDraft) into a drafter and its parameters.
-Every drafter is a frozen dataclass of static settings with two pure methods:
-
-    state = drafter.init(params, prompt_BT, prompt_len_B, max_len)
-    drafts_BK, num_draft_B, probs_BKV | None, state = drafter.propose(params, state, seq_BS, lengths_B, key, T)
-
-A drafter with `uses_features = True` (FeatureDrafter) reads the target's hidden states:
-`init` also gets the prompt's (features_BTD=...), and after every verification the loop
-hands it the features of the positions the target scored:
-
-    state = drafter.observe(state, features_BRD, base_B)   # fed position j of row b is base_B[b] + j
+Every drafter is a frozen dataclass of static settings that implements `Drafter`
+(below, the one statement of the contract); the loop calls its methods and never
+asks which kind it is.
 
 `seq_BS` holds every row's committed tokens (prompt, then emitted ones) and
 `lengths_B` (L per row) indexes each row's pending token: the last emitted one, which the target
@@ -26,7 +19,7 @@ length are stale and masked by position, never erased.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +29,45 @@ from specjax import sampling
 from specjax.models import feature_draft, llama
 from specjax.models.config import Config
 from specjax.models.model import Model
+
+@runtime_checkable
+class Drafter(Protocol):
+    """The contract every drafter implements (PromptLookup, ModelDrafter, MultiLevel, FeatureDrafter,
+    LookupFirst). Shapes: docs/rules.md, shape legend (K = `k`).
+
+    k: the most tokens proposed per round. name: shown in statistics and results.
+    uses_features: whether the drafter reads the target's last-layer hidden states; the loop then
+        computes them (`loop.Program.forward`) and hands them to `init` and `observe`; otherwise
+        they are None.
+    backend (every method that runs a model): the program's `specjax.backend.Backend`.
+    """
+
+    k: int
+    name: str
+    uses_features: bool
+
+    def init(self, params, prompt_BT, prompt_len_B, max_len: int, *, features_BTD=None, backend=None) -> Any:
+        """The drafter's state after the prompts (a KV cache, or ()). features_BTD: the target's
+        features of the prompt positions, or None."""
+
+    def propose(self, params, state, seq_BS, lengths_B, key, temperature: float, *,
+                backend=None) -> tuple[jax.Array, jax.Array, jax.Array | None, Any]:
+        """(drafts int32[B, K], num_draft int32[B] (drafts past it are padding), draft probabilities
+        float[B, K, V] or None for a point mass on each draft, new state)."""
+
+    def observe(self, state, features_BRD, base_B) -> Any:
+        """The state after the target scored R = K + 1 fed positions (fed position j of row b is
+        base_B[b] + j), with their features (None unless `uses_features`)."""
+
+
+class _Stateless:
+    """Defaults of the `Drafter` methods a drafter without features does not need."""
+
+    uses_features: ClassVar[bool] = False
+
+    def observe(self, state, features_BRD, base_B):
+        return state
+
 
 SPECS = ("None", "a Model", "'pld'", "'self:N'", "('pld', Model)", "a FeatureDraft", "('pld', FeatureDraft)")
 
@@ -110,7 +142,7 @@ def _last_two(seq_BS, lengths_B):
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(_Stateless):
     """A small model with the target's tokenizer; K sequential steps as a `scan`."""
 
     config: Config
@@ -118,25 +150,27 @@ class ModelDrafter:
     dtype: Any = jnp.float32
     name: str = "draft"
 
-    def init(self, params, prompt_BT, prompt_len_B, max_len):
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None):
         B = prompt_BT.shape[0]
         cache = llama.init_cache(self.config, B, max_len, self.dtype)
         _, cache = llama.forward_cached(self.config, params, prompt_BT, cache, dtype=self.dtype,
-                                        select_BJ=(prompt_len_B - 1)[:, None])
+                                        select_BJ=(prompt_len_B - 1)[:, None], backend=backend)
         return cache
 
-    def propose(self, params, cache, seq_BS, lengths_B, key, temperature):
+    def propose(self, params, cache, seq_BS, lengths_B, key, temperature, *, backend=None):
         B = seq_BS.shape[0]
         keys = jax.random.split(key, self.k)
         cache = cache._replace(lengths=lengths_B - 1)
         logits_B1V, cache = llama.forward_cached(self.config, params, _last_two(seq_BS, lengths_B), cache,
-                                                 dtype=self.dtype, select_BJ=jnp.ones((B, 1), jnp.int32))
+                                                 dtype=self.dtype, select_BJ=jnp.ones((B, 1), jnp.int32),
+                                                 backend=backend)
         cache = cache._replace(lengths=lengths_B + 1)
         d0_B, q0_BV = _choose(keys[0], logits_B1V[:, 0], temperature)
 
         def step(carry, key):
             d_B, cache = carry
-            logits_B1V, cache = llama.forward_cached(self.config, params, d_B[:, None], cache, dtype=self.dtype)
+            logits_B1V, cache = llama.forward_cached(self.config, params, d_B[:, None], cache, dtype=self.dtype,
+                                                     backend=backend)
             cache = cache._replace(lengths=cache.lengths + 1)
             d_B, q_BV = _choose(key, logits_B1V[:, 0], temperature)
             return (d_B, cache), (d_B, q_BV)
@@ -157,7 +191,7 @@ def self_draft_params(params, num_layers: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLookup:
+class PromptLookup(_Stateless):
     """Prompt-lookup decoding: the continuation of the longest n-gram (max_ngram down to
     min_ngram) that ends at the pending token and occurred earlier in the row's tokens.
 
@@ -172,7 +206,7 @@ class PromptLookup:
     match: str = "earliest"
     name: str = "pld"
 
-    def init(self, params, prompt_BT, prompt_len_B, max_len):
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None):
         return ()
 
     def lookup(self, seq_BS, lengths_B):
@@ -199,13 +233,13 @@ class PromptLookup:
         num_draft = jnp.where(best_found, jnp.clip(L + 1 - best_start, 1, self.k), 0)
         return drafts_K.astype(jnp.int32), num_draft.astype(jnp.int32), best_found
 
-    def propose(self, params, state, seq_BS, lengths_B, key, temperature):
+    def propose(self, params, state, seq_BS, lengths_B, key, temperature, *, backend=None):
         drafts_BK, num_draft_B, _ = self.lookup(seq_BS, lengths_B)
         return drafts_BK, num_draft_B, None, state
 
 
 @dataclasses.dataclass(frozen=True)
-class MultiLevel:
+class MultiLevel(_Stateless):
     """FLy's multi-level drafting: prompt lookup proposes, the draft model checks the
     proposal in one forward (keeping the prefix its own greedy choice agrees with) and
     extends it step by step, so the draft model runs fewer sequential steps.
@@ -219,16 +253,17 @@ class MultiLevel:
     def k(self) -> int:
         return self.model.k
 
-    def init(self, params, prompt_BT, prompt_len_B, max_len):
-        return self.model.init(params, prompt_BT, prompt_len_B, max_len)
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None):
+        return self.model.init(params, prompt_BT, prompt_len_B, max_len, backend=backend)
 
-    def propose(self, params, cache, seq_BS, lengths_B, key, temperature):
+    def propose(self, params, cache, seq_BS, lengths_B, key, temperature, *, backend=None):
         K, cfg, dtype = self.k, self.model.config, self.model.dtype
         B = seq_BS.shape[0]
         p_BK, np_B, found_B = self.lookup.lookup(seq_BS, lengths_B)
         # one draft forward over [seq[L-1], pending, p_0 .. p_{K-1}] at positions L-1 ..
         tokens = jnp.concatenate([_last_two(seq_BS, lengths_B), p_BK], axis=1)
-        logits_BRV, cache = llama.forward_cached(cfg, params, tokens, cache._replace(lengths=lengths_B - 1), dtype=dtype)
+        logits_BRV, cache = llama.forward_cached(cfg, params, tokens, cache._replace(lengths=lengths_B - 1), dtype=dtype,
+                                                 backend=backend)
         t_BR = jnp.argmax(logits_BRV[:, 1:], axis=-1).astype(jnp.int32)  # draft's choice after pending, p_0, ...
         j_K = jnp.arange(K)
         agree_BK = (p_BK == t_BR[:, :K]) & (j_K[None] < np_B[:, None])
@@ -245,7 +280,8 @@ class MultiLevel:
             drafts_BK, c_B, cache = carry
             prev_B = jnp.take_along_axis(drafts_BK, jnp.clip(c_B - 1, 0, K - 1)[:, None], axis=1)[:, 0]
             logits_B1V, cache = llama.forward_cached(cfg, params, prev_B[:, None],
-                                                     cache._replace(lengths=lengths_B + c_B), dtype=dtype)
+                                                     cache._replace(lengths=lengths_B + c_B), dtype=dtype,
+                                                     backend=backend)
             d_B = jnp.argmax(logits_B1V[:, 0], axis=-1).astype(jnp.int32)
             fill_BK = (j_K[None] == c_B[:, None]) & (c_B[:, None] < K)
             return jnp.where(fill_BK, d_B[:, None], drafts_BK), c_B + 1, cache
@@ -281,24 +317,24 @@ class FeatureDrafter:
     def _embed(self, params, tokens_BT):
         return llama.embed_tokens(params["embed"], tokens_BT, self.dtype)
 
-    def _choose(self, params, key, f_BD, temperature):
+    def _choose(self, params, key, f_BD, temperature, backend=None):
         """(full-vocabulary token int32[B], probs over the full vocabulary or None)."""
         ids_Vd = params["vocab_ids"]  # the head's columns in the full vocabulary
-        logits_BVd = feature_draft.logits(self.config, params["net"], f_BD, self.dtype)
+        logits_BVd = feature_draft.logits(self.config, params["net"], f_BD, self.dtype, backend=backend)
         d_B, q_BVd = _choose(key, logits_BVd, temperature)
         q_BV = None
         if q_BVd is not None:  # zero outside the reduced vocabulary: the rules' residual covers it
             q_BV = jnp.zeros((f_BD.shape[0], self.config.vocab_size), q_BVd.dtype).at[:, ids_Vd].set(q_BVd)
         return jnp.take(ids_Vd, d_B), q_BV
 
-    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD):
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD, backend=None):
         B, T = prompt_BT.shape
         cache = llama.init_cache(self.config, B, max_len, self.dtype)
         # position j reads x_{j+1}: the last prompt position waits for the first emitted token
         next_BT = jnp.concatenate([prompt_BT[:, 1:], jnp.zeros_like(prompt_BT[:, :1])], axis=1)
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         _, cache = feature_draft.features(self.config, params["net"], self._embed(params, next_BT), features_BTD,
-                                          positions_BT, cache, self.dtype)
+                                          positions_BT, cache, self.dtype, backend=backend)
         last_B = prompt_len_B - 1
         f_BD = jnp.take_along_axis(features_BTD, last_B[:, None, None], axis=1)[:, 0]
         feat_BRD = jnp.zeros((B, self.k + 1, self.config.hidden_size), self.dtype).at[:, 0].set(f_BD.astype(self.dtype))
@@ -307,34 +343,35 @@ class FeatureDrafter:
     def observe(self, state: FeatureState, features_BRD, base_B) -> FeatureState:
         return state.replace(feat_BRD=features_BRD.astype(self.dtype), base_B=base_B)
 
-    def refeed(self, params, state: FeatureState, seq_BS, lengths_B):
+    def refeed(self, params, state: FeatureState, seq_BS, lengths_B, backend=None):
         """Writes the positions the target last scored (true features) into the draft's cache;
         returns the new state and the predicted feature of the pending position L: float[B, D]."""
         S = seq_BS.shape[1]
         pos_BR = state.base_B[:, None] + jnp.arange(self.k + 1, dtype=jnp.int32)[None]
         next_BR = jnp.take_along_axis(seq_BS, jnp.minimum(pos_BR + 1, S - 1), axis=1)
         f_BRD, cache = feature_draft.features(self.config, params["net"], self._embed(params, next_BR),
-                                              state.feat_BRD, pos_BR, state.cache, self.dtype)
+                                              state.feat_BRD, pos_BR, state.cache, self.dtype, backend=backend)
         at_B = lengths_B - 1 - state.base_B  # position L - 1 in this feed
         return state.replace(cache=cache), jnp.take_along_axis(f_BRD, at_B[:, None, None], axis=1)[:, 0]
 
-    def propose(self, params, state: FeatureState, seq_BS, lengths_B, key, temperature):
-        state, f_BD = self.refeed(params, state, seq_BS, lengths_B)
-        return self.chain(params, state, f_BD, lengths_B, key, temperature)
+    def propose(self, params, state: FeatureState, seq_BS, lengths_B, key, temperature, *, backend=None):
+        state, f_BD = self.refeed(params, state, seq_BS, lengths_B, backend)
+        return self.chain(params, state, f_BD, lengths_B, key, temperature, backend)
 
-    def chain(self, params, state: FeatureState, f_BD, lengths_B, key, temperature):
+    def chain(self, params, state: FeatureState, f_BD, lengths_B, key, temperature, backend=None):
         """K drafts from the pending position's predicted feature, each step on the last one's."""
         B = f_BD.shape[0]
         cache = state.cache
         keys = jax.random.split(key, self.k)
-        d0_B, q0_BV = self._choose(params, keys[0], f_BD, temperature)
+        d0_B, q0_BV = self._choose(params, keys[0], f_BD, temperature, backend)
 
         def step(carry, xs):
             d_B, f_BD, cache = carry
             key, p = xs
             f_B1D, cache = feature_draft.features(self.config, params["net"], self._embed(params, d_B[:, None]),
-                                                  f_BD[:, None], (lengths_B + p)[:, None], cache, self.dtype)
-            d_B, q_BV = self._choose(params, key, f_B1D[:, 0], temperature)
+                                                  f_BD[:, None], (lengths_B + p)[:, None], cache, self.dtype,
+                                                  backend=backend)
+            d_B, q_BV = self._choose(params, key, f_B1D[:, 0], temperature, backend)
             return (d_B, f_B1D[:, 0], cache), (d_B, q_BV)
 
         (_, _, cache), (rest_KB, q_KBV) = jax.lax.scan(step, (d0_B, f_BD, cache),
@@ -367,18 +404,18 @@ class LookupFirst:
     def k(self) -> int:
         return self.model.k
 
-    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD):
-        return self.model.init(params, prompt_BT, prompt_len_B, max_len, features_BTD=features_BTD)
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD, backend=None):
+        return self.model.init(params, prompt_BT, prompt_len_B, max_len, features_BTD=features_BTD, backend=backend)
 
     def observe(self, state, features_BRD, base_B):
         return self.model.observe(state, features_BRD, base_B)
 
-    def propose(self, params, state, seq_BS, lengths_B, key, temperature):
+    def propose(self, params, state, seq_BS, lengths_B, key, temperature, *, backend=None):
         p_BK, np_B, found_B = self.lookup.lookup(seq_BS, lengths_B)
-        state, f_BD = self.model.refeed(params, state, seq_BS, lengths_B)
+        state, f_BD = self.model.refeed(params, state, seq_BS, lengths_B, backend)
 
         def chain(state):
-            d_BK, _, _, state = self.model.chain(params, state, f_BD, lengths_B, key, 0.0)
+            d_BK, _, _, state = self.model.chain(params, state, f_BD, lengths_B, key, 0.0, backend)
             return d_BK, state
 
         d_BK, state = jax.lax.cond(jnp.all(found_B), lambda st: (jnp.zeros_like(p_BK), st), chain, state)

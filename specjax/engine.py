@@ -9,8 +9,8 @@ compiling, and turns the program's arrays into tokens and statistics.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
-import weakref
 from typing import Any, Sequence
 
 import jax
@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from specjax import _checks, compile_cache, drafters, loop, metrics, native, sharding, verify
+from specjax.backend import Backend
 from specjax.models import feature_draft, llama, quant
 from specjax.models.model import Model
 
@@ -44,51 +45,6 @@ class GenerateOutput:
     # the rule's final state: the CSD memory (with what this call taught it), the ASD
     # ledgers f32[B], or (); `generate(..., rule_state=out.rule_state)` carries it on
     rule_state: Any = ()
-
-
-def _pack(params, dtype, q8: bool = False):
-    """Block codes in the native kernel's order (`quant.PackedQuant`): the stacked layers' codes
-    (4-bit ones two per byte), and a tile-major copy of the LM head's codes as `head_tiles` (the
-    embedding lookup keeps the table as it is). With `q8`, `quant.Q8Tiles` for the kernel's
-    int8-activation path instead, where a weight's shape allows. Float32 models only: the kernel
-    computes in float32; bfloat16 activations go to XLA's dot."""
-    if not isinstance(params, dict) or "layers" not in params or jnp.dtype(dtype) != jnp.float32:
-        return params
-    def layer(w):
-        q = quant.pack_for_q8(w) if q8 else None
-        return q if isinstance(q, quant.Q8Tiles) else quant.pack_for_native(w)
-
-    def head_tiles(head):
-        tiles = quant.pack_for_q8(head) if q8 else head
-        return tiles if isinstance(tiles, quant.Q8Tiles) else quant.tile_codes(head)
-
-    layers = jax.tree.map(lambda w: _once(layer, w, q8) if isinstance(w, quant.BlockQuant) else w,
-                          params["layers"], is_leaf=lambda w: isinstance(w, quant.BlockQuant))
-    out = {**params, "layers": layers}
-    head = params.get("lm_head", params.get("embed"))
-    if isinstance(head, quant.BlockQuant) and head.codes.ndim == 3:
-        tiles = _once(head_tiles, head, q8)
-        if isinstance(tiles, (quant.PackedQuant, quant.Q8Tiles)):
-            out["head_tiles"] = tiles
-    return out
-
-
-# (make, id(weight), q8) -> the packed copy, dropped when the weight is: engines of one model
-# share its packed weights (an audit of 13 methods over a 1.5B + 0.5B pair held 13 copies of both
-# and ran out of memory).
-_PACKED: dict[tuple, Any] = {}
-
-
-def _once(make, w, q8: bool):
-    key = (make.__name__, id(w), q8)
-    if key not in _PACKED:
-        packed = make(w)
-        try:
-            weakref.finalize(w, _PACKED.pop, key, None)
-        except TypeError:  # not weakly referable: not shared
-            return packed
-        _PACKED[key] = packed
-    return _PACKED[key]
 
 
 class Engine:
@@ -148,8 +104,8 @@ class Engine:
         if mesh_config is not None and isinstance(feature, feature_draft.FeatureDraft):
             raise ValueError("a FeatureDraft runs on one device only (its state has no sharding plan yet); "
                              "pass mesh=None, or a draft Model / 'pld' on a mesh")
-        if mesh_config is not None:  # attention="pad": zero heads appended so that they divide the model axis
-            target, draft = sharding.prepare_models(mesh_config, target, draft)
+        if mesh_config is not None:  # padded heads, or KV heads repeated for a model axis wider than them
+            target, draft = _prepare_models(mesh_config, target, draft)
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
@@ -180,7 +136,9 @@ class Engine:
             if matmul == "q8" and jnp.dtype(target.dtype) != jnp.float32:
                 raise ValueError(f"matmul='q8' runs float32 models (the kernel's activations are float32 before "
                                  f"it quantizes them); the target is {jnp.dtype(target.dtype).name}")
-        uses_native = matmul in ("native", "q8") or (matmul == "auto" and mesh is None and quant.default_native())
+        # a custom call has no sharding rule: "auto" is native only on one CPU device
+        uses_native = matmul in ("native", "q8") or (
+            matmul == "auto" and mesh is None and jax.default_backend() == "cpu" and native.available())
         self.layers, self.matmul = layers, matmul
         self.target, self.k = target, int(k)
         self.prompt_bucket = None if prompt_bucket is None else int(prompt_bucket)
@@ -199,13 +157,14 @@ class Engine:
         # mesh: NamedShardings for params, caches and logits (specjax.sharding); None: one device
         self.layout = None if mesh_config is None else sharding.make_layout(
             mesh_config, target.config, getattr(getattr(self.drafter, "model", self.drafter), "config", None))
+        self.backend = _backend(self.layout, "q8" if matmul == "q8" else "native" if uses_native else "xla")
         self.params = loop.Params(target=target.params, draft=draft_params)
         draft_dtype = getattr(getattr(self.drafter, "model", self.drafter), "dtype", target.dtype)
         if uses_native:
             # 4-bit layer codes two per byte, tile by tile: the native kernel streams half the bytes
             q8 = matmul == "q8"
-            self.params = loop.Params(target=_pack(self.params.target, target.dtype, q8),
-                                      draft=_pack(self.params.draft, draft_dtype, q8))
+            self.params = loop.Params(target=native.pack_params(self.params.target, target.dtype, q8),
+                                      draft=native.pack_params(self.params.draft, draft_dtype, q8))
         if layers == "unrolled":  # the draft model too (prompt lookup has no params)
             unroll = lambda p, dtype: llama.unstack_layers(p, dtype) if isinstance(p, dict) and "layers" in p else p  # noqa: E731
             self.params = loop.Params(target=unroll(self.params.target, target.dtype),
@@ -253,7 +212,7 @@ class Engine:
         program = loop.Program(config=self.target.config, max_new_tokens=self.max_new_tokens, max_len=max_len,
                                temperature=self.temperature, top_p=self.top_p, eos_ids=self.eos_ids,
                                dtype=self.target.dtype, drafter=self.drafter, rule=self.rule, layout=self.layout,
-                               matmul=self.matmul)
+                               backend=self.backend)
         state = self._rule_state(len(prompts), rule_state)
         # host arrays: jit transfers them; the PRNG key is made inside the program
         inputs = dict(prompt_BT=prompt_BT, prompt_len_B=np.asarray(lengths, np.int32), seed=np.uint32(self.seed),
@@ -318,6 +277,44 @@ class Engine:
         that `generate` reads)."""
         program, args = self._prepare(prompts, rule_state)
         return loop.Program.run.lower(program, **args)
+
+
+def _prepare_models(mesh_config: MeshConfig, target, draft):
+    """(target, draft) as the engine runs them on the mesh: padded heads under attention="pad",
+    repeated KV heads where the model axis is wider than the KV heads (`sharding.prepare_model`;
+    the Model type is dispatched on here, since `sharding` never imports it).
+
+    draft: anything `Engine` accepts; a Model (alone or in ("pld", Model)) is prepared too
+    unless it is replicated.
+    """
+    if not sharding.needs_preparing(mesh_config):
+        return target, draft
+    target = sharding.prepare_model(mesh_config, target, "target")
+    if mesh_config.draft == "shard":
+        if isinstance(draft, Model):
+            draft = sharding.prepare_model(mesh_config, draft, "draft")
+        elif isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[1], Model):
+            draft = (draft[0], sharding.prepare_model(mesh_config, draft[1], "draft"))
+    return target, draft
+
+
+def _backend(layout, matmul: str) -> Backend:
+    """How the program computes, from its platform and layout (`specjax.backend.Backend`): the
+    matmul path the Engine checked; where the matmuls are native, cached attention too (each
+    query over its visible keys, in place in the cache); the LM head chunked on an unsharded
+    CPU (`quant.default_head_chunk`); the Pallas kernels chosen for the mesh's platform (so a
+    CPU host compiles Mosaic kernels for a TPU topology) and run replicated on the mesh; the
+    rules' statistics reduced shard by shard where the logits are split over the vocabulary."""
+    if layout is None:
+        platform, head_chunk, mesh, vocab_sharding = jax.default_backend(), quant.default_head_chunk(), None, None
+    else:
+        platform = layout.mesh.devices.flat[0].platform
+        head_chunk = quant.default_head_chunk(platform, layout.vocab_sharded)
+        mesh, vocab_sharding = layout.mesh, layout.vocab_sharding
+    on = matmul != "xla"
+    return Backend(matmul=matmul, kernels=native if on else None, native_attention=on, head_chunk=head_chunk,
+                   platform=platform if platform in ("cpu", "gpu", "tpu") else None, mesh=mesh,
+                   vocab_sharding=vocab_sharding)
 
 
 def _rule(method, options: dict, temperature: float, target_only: bool):

@@ -15,14 +15,15 @@ pointers move, and attention masks by position.
 
 `Program` holds only static, hashable settings and is jitted with
 `static_argnames=("self",)`; everything that varies between calls (parameters,
-prompts, the seed, the rule's starting state) is a keyword argument.
-Shape legend: docs/rules.md (B rows, T prompt width, S cache length, K drafts,
-R = K + 1 scored positions, V vocabulary).
+prompts, the seed, the rule's starting state) is a keyword argument. How the
+program computes (matmul path, head chunking, attention and Pallas kernels, the
+mesh, vocabulary sharding) is its `backend` (`specjax.backend.Backend`), handed as
+an argument to the model's forward, the drafter and the rule: no context decides it.
+Shapes: docs/rules.md, shape legend.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -31,9 +32,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import pallas, sampling, verify
+from specjax import sampling
+from specjax.backend import PLAIN, Backend
+from specjax.drafters import Drafter
 from specjax.metrics import Counters
-from specjax.models import llama, quant
+from specjax.models import llama
 from specjax.models.config import Config
 from specjax.models.llama import KVCache
 
@@ -75,6 +78,7 @@ class Program:
 
     drafter None with rule None is target-only decoding; otherwise both are set.
     layout: a `sharding.Layout` on a mesh (None: one device, no constraints at all).
+    backend: how the program computes (`specjax.backend.Backend`, built by the Engine).
     """
 
     config: Config
@@ -84,10 +88,10 @@ class Program:
     top_p: float
     eos_ids: tuple[int, ...]
     dtype: Any = jnp.float32
-    drafter: Any = None
+    drafter: Drafter | None = None
     rule: Any = None
     layout: Any = None
-    matmul: str = "auto"  # "auto" | "native" | "q8" | "xla": see native_matmul
+    backend: Backend = PLAIN
 
     @property
     def k(self) -> int:
@@ -96,41 +100,26 @@ class Program:
     @functools.partial(jax.jit, static_argnames=("self",))
     def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state) -> Output:
         """The whole generation: prefill, then rounds until every row is done."""
-        # where the matmuls are native, so is cached attention: each query over its visible keys
-        # only, in place in the cache (XLA's attends over the whole cache after copying the layer)
-        with quant.head_chunks(self.head_chunk), quant.native_matmul(self.native_matmul), \
-                quant.native_attention(self.native_matmul):
-            state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state)
-            if self.drafter is None:
-                body = functools.partial(self.target_only_round, params)
-            else:
-                body = functools.partial(self.speculative_round, params)
-            state = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), body, state)
+        state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state)
+        if self.drafter is None:
+            body = functools.partial(self.target_only_round, params)
+        else:
+            body = functools.partial(self.speculative_round, params)
+        state = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), body, state)
         out = Output(seq_BS=state.seq_BS, num_out_B=state.num_out_B, counters=state.counters,
                      rule_state=state.rule_state)
         # replicated outputs: every process of a multi-process run reads them
         return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.layout.replicated)
 
-    @property
-    def uses_features(self) -> bool:
-        """The drafter reads the target's hidden states (a feature draft)."""
-        return getattr(self.drafter, "uses_features", False)
-
-    @property
-    def head_chunk(self) -> int:
-        """Vocabulary columns per step of the LM head's scan (`quant.matmul_columns`): chunked on
-        an unsharded CPU program, one whole dot on GPU/TPU or a vocabulary-split mesh."""
-        if self.layout is None:
-            return quant.default_head_chunk()
-        return quant.default_head_chunk(self.layout.mesh.devices.flat[0].platform, self.layout.vocab_sharded)
-
-    @property
-    def native_matmul(self) -> bool:
-        """Decode-sized matmuls in specjax.native's CPU kernel: on an unsharded CPU program
-        ("auto"; the Engine checked "native" against the platform and mesh), never ("xla")."""
-        if self.matmul != "auto":
-            return self.matmul in ("native", "q8")
-        return self.layout is None and quant.default_native()  # a custom call has no sharding rule
+    def forward(self, params, tokens_BT, cache, select_BJ=None):
+        """The target on `tokens_BT` at each row's offset: (logits, its last layer's features where the
+        drafter reads them (`Drafter.uses_features`) else None, the cache with their keys and values)."""
+        if self.drafter is not None and self.drafter.uses_features:
+            return llama.forward_features(self.config, params.target, tokens_BT, cache, dtype=self.dtype,
+                                          select_BJ=select_BJ, backend=self.backend)
+        logits, cache = llama.forward_cached(self.config, params.target, tokens_BT, cache, dtype=self.dtype,
+                                             select_BJ=select_BJ, backend=self.backend)
+        return logits, None, cache
 
     # -- the pieces of the loop -------------------------------------------------
 
@@ -143,23 +132,13 @@ class Program:
         emits each row's first token, which belongs to no round."""
         B, T = prompt_BT.shape
         cache = self._shard("cache", llama.init_cache(self.config, B, self.max_len, self.dtype))
-        select_BJ = (prompt_len_B - 1)[:, None]
-        if self.uses_features:  # the drafter reads the target's hidden states of the prompt
-            logits_B1V, feats_BTD, cache = llama.forward_features(self.config, params.target, prompt_BT, cache,
-                                                                  dtype=self.dtype, select_BJ=select_BJ)
-        else:
-            logits_B1V, cache = llama.forward_cached(self.config, params.target, prompt_BT, cache, dtype=self.dtype,
-                                                     select_BJ=select_BJ)
+        logits_B1V, feats_BTD, cache = self.forward(params, prompt_BT, cache, select_BJ=(prompt_len_B - 1)[:, None])
         logits_B1V = self._shard("logits", logits_B1V)
         key, sub = jax.random.split(key)
         first_B = sampling.sample(sub, logits_B1V[:, 0], self.temperature, self.top_p)
         seq_BS = self._shard("rows", jnp.zeros((B, self.max_len), jnp.int32).at[:, :T].set(prompt_BT))
-        if self.drafter is None:
-            draft_state = ()
-        elif self.uses_features:
-            draft_state = self.drafter.init(params.draft, prompt_BT, prompt_len_B, self.max_len, features_BTD=feats_BTD)
-        else:
-            draft_state = self.drafter.init(params.draft, prompt_BT, prompt_len_B, self.max_len)
+        draft_state = () if self.drafter is None else self.drafter.init(
+            params.draft, prompt_BT, prompt_len_B, self.max_len, features_BTD=feats_BTD, backend=self.backend)
         state = LoopState(cache=cache._replace(lengths=prompt_len_B), seq_BS=seq_BS, prompt_len_B=prompt_len_B,
                           num_out_B=jnp.zeros((B,), jnp.int32), done_B=jnp.zeros((B,), bool), key=key,
                           draft_state=self._shard("draft_cache", draft_state), rule_state=rule_state,
@@ -170,8 +149,7 @@ class Program:
     def target_only_round(self, params: Params, state: LoopState) -> LoopState:
         """Autoregressive baseline: score the pending token, emit the next one."""
         live_B = ~state.done_B
-        logits_B1V, cache = llama.forward_cached(self.config, params.target, pending(state)[:, None], state.cache,
-                                                 dtype=self.dtype)
+        logits_B1V, _, cache = self.forward(params, pending(state)[:, None], state.cache)
         logits_B1V, cache = self._shard("logits", logits_B1V), self._shard("cache", cache)
         key, sub = jax.random.split(state.key)
         next_B = sampling.sample(sub, logits_B1V[:, 0], self.temperature, self.top_p)
@@ -185,20 +163,17 @@ class Program:
         live_B = ~state.done_B
         # draft
         drafts_BK, num_draft_B, probs_BKV, draft_state = self.drafter.propose(
-            params.draft, state.draft_state, state.seq_BS, state.cache.lengths, k_draft, self.temperature)
+            params.draft, state.draft_state, state.seq_BS, state.cache.lengths, k_draft, self.temperature,
+            backend=self.backend)
         # score: only as many positions as the live rows' longest proposal needs
         fed_BR = jnp.concatenate([pending(state)[:, None], drafts_BK], axis=1)
         width = jnp.max(jnp.where(live_B, num_draft_B, 0)) + 1
         logits_BRV, cache, feats_BRD = self.score(params, fed_BR, state.cache, width)
-        if self.uses_features:  # the fed positions' true features, for the next round's drafts
-            draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)
-        # verify (on a mesh, the rule reduces the vocabulary-sharded logits shard by shard)
-        vocab_sharding = None if self.layout is None else self.layout.vocab_sharding
-        with (verify.use_vocab_sharding(vocab_sharding) if vocab_sharding else contextlib.nullcontext(),
-              pallas.on_mesh(None if self.layout is None else self.layout.mesh)):
-            verdict, rule_state, counts = self.rule(
-                state.rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
-                draft_probs_BKV=probs_BKV, temperature=self.temperature)
+        draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)  # what the target saw
+        # verify (on a mesh, the backend's vocabulary sharding reduces the logits shard by shard)
+        verdict, rule_state, counts = self.rule(
+            state.rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
+            draft_probs_BKV=probs_BKV, temperature=self.temperature, backend=self.backend)
         n_B = verdict.num_accepted
         # commit d[:n] + [next]
         j_R = jnp.arange(K + 1)
@@ -226,14 +201,8 @@ class Program:
         def at(w):
             def run(fed_BR, cache):
                 pad = ((0, 0), (0, R - w), (0, 0))
-                if self.uses_features:
-                    logits_BWV, feats_BWD, cache = llama.forward_features(self.config, params.target, fed_BR[:, :w],
-                                                                          cache, dtype=self.dtype)
-                    feats_BRD = jnp.pad(feats_BWD, pad)
-                else:
-                    logits_BWV, cache = llama.forward_cached(self.config, params.target, fed_BR[:, :w], cache,
-                                                             dtype=self.dtype)
-                    feats_BRD = None
+                logits_BWV, feats_BWD, cache = self.forward(params, fed_BR[:, :w], cache)
+                feats_BRD = None if feats_BWD is None else jnp.pad(feats_BWD, pad)
                 logits_BRV = jnp.pad(logits_BWV, pad)
                 return self._shard("logits", logits_BRV), self._shard("cache", cache), feats_BRD
             return run

@@ -6,7 +6,7 @@ acceptance per position, loose share, ...), and `merge` combines the statistics
 of several `generate` calls as if they were one call. The engine and the
 experiment binaries use these two functions and nothing else.
 
-Shapes: B rows, K draft positions (K = 0 for target-only decoding, which
+Shapes (docs/rules.md, shape legend): B rows, K draft positions (K = 0 for target-only decoding, which
 proposes nothing).
 """
 

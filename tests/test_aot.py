@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax.backend import Backend
 from specjax import aot, models, pallas
 from specjax.models import Config
 from specjax.pallas import _dispatch
@@ -29,17 +30,16 @@ TINY = Config(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers
 def test_compiled_mosaic_variant_is_allowed_when_compiling_for_tpu():
     with pytest.raises(ValueError, match="interpret mode"):
         _dispatch.check_compiled_variant("mosaic", interpret=False)
-    with pallas.compile_for("tpu"):
-        assert _dispatch.accelerator() == "tpu" and pallas.target_platform() == "tpu"
-        _dispatch.check_compiled_variant("mosaic", interpret=False)
-        assert _dispatch.resolve_impl(None) == "kernel" and _dispatch.resolve_interpret(None) is False
-        assert _dispatch.resolve_variant(None) == "mosaic"
-        with pytest.raises(ValueError, match="does not compile on tpu"):
-            _dispatch.check_compiled_variant("triton", interpret=False)
+    tpu = Backend(platform="tpu")
+    assert _dispatch.accelerator(tpu) == "tpu" and pallas.target_platform(tpu) == "tpu"
+    _dispatch.check_compiled_variant("mosaic", False, tpu)
+    assert _dispatch.resolve_impl(None, tpu) == "kernel" and _dispatch.resolve_interpret(None, tpu) is False
+    assert _dispatch.resolve_variant(None, tpu) == "mosaic"
+    with pytest.raises(ValueError, match="does not compile on tpu"):
+        _dispatch.check_compiled_variant("triton", False, tpu)
     assert pallas.target_platform() == "cpu"
     with pytest.raises(ValueError, match="platform must be"):
-        with pallas.compile_for("tpuv9"):
-            pass
+        Backend(platform="tpuv9")
 
 
 def test_libtpu_missing_prints_the_pip_command(monkeypatch):
@@ -72,7 +72,7 @@ def test_tiny_speculative_program_compiles_for_v5e_with_mosaic_kernels():
     assert report.params_bytes == 2 * 2 * ((TINY.num_params() - norms) // 2 + norms)
     assert report.argument_bytes >= report.params_bytes and report.temp_bytes >= report.cache_bytes
     # inside the vocabulary-sharded shard_map the mesh's devices (TPU) already choose Mosaic, even
-    # without `compile_for`; a program on the host's CPU devices has none (the jnp reference)
+    # whatever the backend's platform; a program on the host's CPU devices has none (the jnp reference)
     assert aot.count_mosaic_kernels(engine.lower([[1] * 8] * 4).as_text()) == report.mosaic_kernels
     import jax
     cpu = specjax.Engine(models.abstract(TINY, jnp.bfloat16), draft=("pld", models.abstract(TINY, jnp.bfloat16)),
@@ -105,7 +105,7 @@ def test_wide_tensor_parallel_program_compiles_for_v5e():
 def test_kernels_outside_shard_map_compile_on_a_multi_chip_mesh(method, mesh_shape):
     """ASD's regret-prefix kernel (and the gate statistics where the vocabulary is not split)
     run outside the vocabulary shard_map: the engine wraps them in a replicated one
-    (`pallas.on_mesh`), since the partitioner cannot split a Mosaic call across chips."""
+    (`Backend.mesh`), since the partitioner cannot split a Mosaic call across chips."""
     mesh = aot.topology_mesh("v5e:2x2", mesh_shape)
     engine = specjax.Engine(models.abstract(TINY, jnp.bfloat16), draft="pld", method=method, k=4,
                             max_new_tokens=16, max_len=64, mesh=mesh, eos_ids=())

@@ -282,3 +282,29 @@ def test_draft_vocabulary_mismatch(target):
 def test_k_too_large_for_the_cache(target):
     with pytest.raises(ValueError, match=r"k 40 \+ 1 = .* > max_len 64"):
         specjax.Engine(target, draft="pld", k=40, max_new_tokens=20, max_len=64).generate([[1, 2, 3, 4, 5]])
+
+
+def test_every_drafter_implements_the_drafter_protocol(target, draft):
+    """The loop calls the `drafters.Drafter` methods and never asks which kind a drafter is: every
+    kind has init, propose, observe, k, name and uses_features; only a feature drafter reads the
+    target's features, and the others hand their state back from observe unchanged."""
+    import inspect
+
+    from specjax.models import feature_draft as FD
+
+    ids = np.arange(TINY.vocab_size, dtype=np.int32)
+    feature = FD.FeatureDraft(FD.layer_config(target.config), FD.init_params(target.config, target.params, ids),
+                              ids, "fd")
+    specs = [*drafts(draft).values(), feature, ("pld", feature)]
+    kinds = set()
+    for spec in specs:
+        drafter, _ = drafters.from_spec(spec, target, 3)
+        kinds.add(type(drafter).__name__)
+        assert isinstance(drafter, drafters.Drafter), type(drafter)
+        for method in ("init", "propose"):
+            assert "backend" in inspect.signature(getattr(drafter, method)).parameters, (type(drafter), method)
+        if not drafter.uses_features:
+            state = object()
+            assert drafter.observe(state, None, None) is state
+    assert kinds == {"ModelDrafter", "PromptLookup", "MultiLevel", "FeatureDrafter", "LookupFirst"}
+    assert not isinstance(object(), drafters.Drafter)  # the check can fail

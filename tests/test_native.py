@@ -12,7 +12,12 @@ import pytest
 
 import specjax
 from specjax import native
+from specjax.backend import Backend
 from specjax.models import Config, quant, random_model
+
+NATIVE = Backend(matmul="native", kernels=native)  # what Engine(matmul="native") traces with
+XLA = Backend()
+NATIVE_MAX_ROWS = NATIVE.native_max_rows
 
 if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
     pytest.skip("no C++ compiler: the native kernel cannot be built here", allow_module_level=True)
@@ -40,6 +45,40 @@ def bound(x, w):
 
 def test_the_kernel_builds_here():
     assert native.available()
+
+
+def test_a_truncated_cached_library_is_rebuilt_with_one_warning(tmp_path):
+    """A library cut short by a killed process used to kill every later run with a bus error
+    (exit 135, no message); now it does not match the SHA-256 the build recorded, and the next
+    load rebuilds it, with one warning. In subprocesses, each with this test's own cache."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPECJAX_CACHE": str(tmp_path), "SPECJAX_NATIVE": "1"}
+    code = ("import warnings, numpy as np, jax.numpy as jnp\n"
+            "from specjax import native\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    ok = native.available()\n"
+            "x = jnp.ones((2, 32), jnp.float32); w = jnp.eye(32, 64, dtype=jnp.float32)\n"
+            "assert ok and np.allclose(np.asarray(native.dot(x, w)), np.asarray(x @ w))\n"
+            "print('WARNINGS', sum('not the one built' in str(c.message) for c in caught))\n")
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split("WARNINGS")[-1])
+
+    assert run() == 0  # built fresh: no warning
+    libraries = list((tmp_path / "native").glob("blockdot-*.so"))
+    assert len(libraries) == 1 and (tmp_path / "native" / (libraries[0].name + ".sha256")).exists()
+    library = libraries[0]
+    size = library.stat().st_size
+    with open(library, "r+b") as f:
+        f.truncate(size // 3)
+    assert run() == 1  # not loaded: rebuilt, one warning
+    assert library.stat().st_size == size
+    assert run() == 0  # the rebuilt library is the one recorded
 
 
 # awkward sizes: rows around the kernel's row groups (4 or 8), K not a multiple of the row chunk
@@ -126,7 +165,7 @@ def test_gradients_are_those_of_xla_dot():
 
 
 @pytest.mark.parametrize("x_dtype, N, rows", [(jnp.bfloat16, 64, 1), (jnp.float32, 48, 1),
-                                              (jnp.float32, 64, quant.NATIVE_MAX_ROWS + 1)])
+                                              (jnp.float32, 64, NATIVE_MAX_ROWS + 1)])
 def test_what_the_kernel_cannot_take_goes_to_xla_unchanged(x_dtype, N, rows):
     """bf16 activations, columns not a multiple of the tile, prefill-sized row counts: XLA's dot,
     bit for bit the einsum the model computed before the kernel existed."""
@@ -136,8 +175,8 @@ def test_what_the_kernel_cannot_take_goes_to_xla_unchanged(x_dtype, N, rows):
     dtype = jnp.dtype(x_dtype)
 
     def run(on):
-        with quant.native_matmul(on):
-            return jax.jit(lambda x, w: quant.contract("btd,df->btf", x, w, 1, dtype))(x, w)
+        backend = NATIVE if on else XLA
+        return jax.jit(lambda x, w: quant.contract("btd,df->btf", x, w, 1, dtype, backend=backend))(x, w)
 
     plain = jax.jit(lambda x, w: jnp.einsum("btd,df->btf", x, w.dequantize(dtype)))(x, w)
     np.testing.assert_array_equal(np.asarray(run(True), np.float32), np.asarray(plain, np.float32))
@@ -149,10 +188,9 @@ def test_contract_reshapes_multi_dimensional_weights():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((2, 3, 64)).astype(np.float32))
     wq = jnp.asarray(rng.standard_normal((64, 4, 16)).astype(np.float32))
-    with quant.native_matmul(True):
-        q = jax.jit(lambda x, w: quant.contract("btd,dhk->bthk", x, w, 1))(x, wq)
-        wo = jnp.asarray(rng.standard_normal((4, 16, 32)).astype(np.float32))
-        o = jax.jit(lambda a, w: quant.contract("bthk,hkd->btd", a, w, 2))(q, wo)
+    q = jax.jit(lambda x, w: quant.contract("btd,dhk->bthk", x, w, 1, backend=NATIVE))(x, wq)
+    wo = jnp.asarray(rng.standard_normal((4, 16, 32)).astype(np.float32))
+    o = jax.jit(lambda a, w: quant.contract("bthk,hkd->btd", a, w, 2, backend=NATIVE))(q, wo)
     np.testing.assert_allclose(np.asarray(q), np.einsum("btd,dhk->bthk", x, wq), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(o), np.einsum("bthk,hkd->btd", q, wo), rtol=1e-5, atol=1e-4)
 
@@ -178,8 +216,8 @@ def test_nibbles_hold_the_codes_and_values(lo, hi, signed, lead):
     codes[..., 0, 0, :2] = [lo, hi - 1]  # both extremes present
     scale = jnp.asarray(rng.random((*lead, 4, 1, 64)).astype(np.float32))
     w = quant.BlockQuant(jnp.asarray(codes), scale, scale * 0.5, (128, 64))
-    p = quant.pack_nibbles(w)
-    assert isinstance(p, quant.PackedQuant) and p.signed == signed
+    p = native.pack_nibbles(w)
+    assert isinstance(p, native.PackedQuant) and p.signed == signed
     assert p.data.shape == (*lead, 2, 64, 32) and p.data.dtype == jnp.uint8
     assert p.nbytes < w.nbytes
     np.testing.assert_array_equal(np.asarray(p.unpacked().codes), codes)
@@ -191,9 +229,9 @@ def test_codes_wider_than_4_bits_stay_unpacked(codes, why):
     c = np.zeros((1, 32, 32), np.int8)
     c[0, 0, :2] = codes
     w = quant.BlockQuant(jnp.asarray(c), jnp.ones((1, 1, 32)), None, (32, 32))
-    assert quant.pack_nibbles(w) is w, why
+    assert native.pack_nibbles(w) is w, why
     odd = quant.BlockQuant(jnp.zeros((2, 3, 32), jnp.int8), jnp.ones((2, 1, 32)), None, (6, 32))
-    assert quant.pack_nibbles(odd) is odd  # blocks of an odd size cannot pair rows
+    assert native.pack_nibbles(odd) is odd  # blocks of an odd size cannot pair rows
 
 
 @pytest.mark.parametrize("M", [1, 3, 9, 20])
@@ -205,7 +243,7 @@ def test_nibble_kernel_gives_the_int8_kernels_bits(M, bs, offset, signed):
     scale = (rng.random((192 // bs, 1, 96)) * 0.02).astype(np.float16).astype(np.float32)
     off = (rng.standard_normal((192 // bs, 1, 96)) * 0.01).astype(np.float16).astype(np.float32)
     w = quant.BlockQuant(jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(off) if offset else None, (192, 96))
-    p = quant.pack_nibbles(w)
+    p = native.pack_nibbles(w)
     x = jnp.asarray(rng.standard_normal((M, 192)).astype(np.float32))
     y = np.asarray(jax.jit(native.dot)(x, p))
     np.testing.assert_array_equal(y, np.asarray(native.dot(x, w)))
@@ -220,7 +258,7 @@ def test_packed_rows_do_not_depend_on_how_many_share_a_pass(M):
     at a group's edge as inside it, from nibbles as from their int8 codes."""
     rng = np.random.default_rng(M)
     w = block_weight(rng, 576, 1536, 32)
-    p = quant.pack_nibbles(w)
+    p = native.pack_nibbles(w)
     x = jnp.asarray(rng.standard_normal((M, 576)).astype(np.float32))
     full = np.asarray(native.dot(x, p))
     np.testing.assert_array_equal(full, np.asarray(native.dot(x, w)))
@@ -272,9 +310,8 @@ def test_the_native_program_calls_the_kernel_and_the_xla_one_does_not(small_q8):
 
     def hlo(on):
         cache = llama.init_cache(SMALL, 1, 32)
-        with quant.native_matmul(on):
-            step = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c)[0])
-            return step.lower(small_q8.params, jnp.ones((1, 1), jnp.int32), cache).as_text()
+        step = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c, backend=NATIVE if on else XLA)[0])
+        return step.lower(small_q8.params, jnp.ones((1, 1), jnp.int32), cache).as_text()
 
     assert "specjax_blockdot" in hlo(True) and "specjax_densedot" in hlo(True)
     assert "specjax_" not in hlo(False)
@@ -309,12 +346,12 @@ def test_the_engine_packs_codes_only_for_the_native_kernel(small_q8):
     xla_engine = specjax.Engine(model, matmul="xla", max_new_tokens=4, eos_ids=())
     stacked, layer = native_engine.params.target["layers"], unrolled_native.params.target["layer_1"]
     for w_up, w_gate in ((stacked["w_up"], stacked["w_gate"]), (layer["w_up"], layer["w_gate"])):
-        assert isinstance(w_up, quant.PackedQuant) and w_up.bits == 4
-        assert isinstance(w_gate, quant.PackedQuant) and w_gate.bits == 8  # Q8_0
+        assert isinstance(w_up, native.PackedQuant) and w_up.bits == 4
+        assert isinstance(w_gate, native.PackedQuant) and w_gate.bits == 8  # Q8_0
     assert stacked["w_up"].data.shape == (SMALL.num_layers, *layer["w_up"].data.shape)
     for engine in (native_engine, unrolled_native):
         head = engine.params.target["head_tiles"]
-        assert isinstance(head, quant.PackedQuant) and head.bits == 8
+        assert isinstance(head, native.PackedQuant) and head.bits == 8
         assert head.shape == (SMALL.hidden_size, SMALL.vocab_size)
     assert "head_tiles" not in xla_engine.params.target
     assert all(isinstance(v, quant.BlockQuant) for v in xla_engine.params.target["layers"].values()
@@ -323,19 +360,18 @@ def test_the_engine_packs_codes_only_for_the_native_kernel(small_q8):
     expected = xla_engine.generate(PROMPTS).tokens
     assert native_engine.generate(PROMPTS).tokens == expected == stacked_native.generate(PROMPTS).tokens
     # a prefill-sized forward (XLA's dot) reads the packed weights too: the same values
-    tokens = jnp.asarray(np.arange(quant.NATIVE_MAX_ROWS + 2)[None] % SMALL.vocab_size)
-    with quant.native_matmul(False):
-        np.testing.assert_allclose(np.asarray(llama.forward(SMALL, native_engine.params.target, tokens)),
-                                   np.asarray(llama.forward(SMALL, model.params, tokens)), rtol=1e-5, atol=1e-5)
+    tokens = jnp.asarray(np.arange(NATIVE_MAX_ROWS + 2)[None] % SMALL.vocab_size)
+    np.testing.assert_allclose(np.asarray(llama.forward(SMALL, native_engine.params.target, tokens, backend=XLA)),
+                               np.asarray(llama.forward(SMALL, model.params, tokens, backend=XLA)), rtol=1e-5, atol=1e-5)
 
 
 def test_tile_major_int8_codes_give_the_row_major_bits():
     rng = np.random.default_rng(6)
     w = block_weight(rng, 96, 64, 32, codes_range=100)
-    t = quant.tile_codes(w)
-    assert isinstance(t, quant.PackedQuant) and t.bits == 8 and t.data.shape == (2, 96, 32)
+    t = native.tile_codes(w)
+    assert isinstance(t, native.PackedQuant) and t.bits == 8 and t.data.shape == (2, 96, 32)
     np.testing.assert_array_equal(np.asarray(t.unpacked().codes), np.asarray(w.codes))
-    assert isinstance(quant.pack_for_native(w), quant.PackedQuant) and quant.pack_for_native(w).bits == 8
+    assert isinstance(native.pack_for_native(w), native.PackedQuant) and native.pack_for_native(w).bits == 8
     for M in (1, 5, 12):
         x = jnp.asarray(rng.standard_normal((M, 96)).astype(np.float32))
         np.testing.assert_array_equal(np.asarray(native.dot(x, t)), np.asarray(native.dot(x, w)))
@@ -344,7 +380,7 @@ def test_tile_major_int8_codes_give_the_row_major_bits():
 def test_a_packed_stack_is_read_in_place(small_q8):
     """The scan over packed layers passes the whole stack and a layer index to the kernel: no
     per-step slice of the codes is copied (the copy cost more than the 4-bit codes saved)."""
-    from specjax.engine import _pack
+    from specjax.native import pack_params as _pack
     from specjax.models import llama
 
     w_up = np.asarray(random_model(SMALL, seed=5).params["layers"]["w_up"])
@@ -352,16 +388,15 @@ def test_a_packed_stack_is_read_in_place(small_q8):
                                             "w_up": quant.stack_layers([_quantize(w, "Q4_1") for w in w_up])}}
     packed = _pack(params, jnp.float32)
     cache = llama.init_cache(SMALL, 1, 32)
-    with quant.native_matmul(True):
-        step = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c)[0])
-        hlo = step.lower(packed, jnp.ones((1, 1), jnp.int32), cache).compile().as_text()
-        got = step(packed, jnp.ones((1, 1), jnp.int32), cache)
+    step = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c, backend=NATIVE)[0])
+    hlo = step.lower(packed, jnp.ones((1, 1), jnp.int32), cache).compile().as_text()
+    got = step(packed, jnp.ones((1, 1), jnp.int32), cache)
     assert "specjax_tiledot" in hlo
     one_layer = r"u8\[(1,)*" + ",".join(map(str, packed["layers"]["w_up"].data.shape[1:])) + r"\]"
     assert re.search(r"u8\[" + ",".join(map(str, packed["layers"]["w_up"].data.shape)) + r"\]", hlo)
     assert not re.search(one_layer, hlo)  # no one-layer slice of the nibbles is ever made
-    with quant.native_matmul(False):
-        want = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c)[0])(params, jnp.ones((1, 1), jnp.int32), cache)
+    want = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c, backend=XLA)[0])(
+        params, jnp.ones((1, 1), jnp.int32), cache)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
@@ -417,8 +452,8 @@ def test_q8_tiles_hold_the_codes(kind, bits, zero, lead, bs):
     w = q8_weight(rng, 64, 48, bs, kind, offset=True)
     if lead:
         w = quant.stack_layers([w, q8_weight(rng, 64, 48, bs, kind, True), q8_weight(rng, 64, 48, bs, kind, True)])
-    q = quant.pack_for_q8(w)
-    assert isinstance(q, quant.Q8Tiles) and (q.bits, q.zero) == (bits, zero)
+    q = native.pack_for_q8(w)
+    assert isinstance(q, native.Q8Tiles) and (q.bits, q.zero) == (bits, zero)
     assert q.data.dtype == jnp.uint8 and q.data.shape == (*lead, 3, 64 // (8 if bits == 4 else 4), 64)
     np.testing.assert_array_equal(np.asarray(q.unpacked().codes), np.asarray(w.codes))
     np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(w.dequantize()))
@@ -438,7 +473,7 @@ def test_weights_the_q8_kernel_cannot_take_stay_as_they_are(shape, why):
     K, N = shape
     bs = 12 if why == "block" else 32
     w = q8_weight(rng, K, N, bs, "u4", True)
-    assert quant.pack_for_q8(w) is w
+    assert native.pack_for_q8(w) is w
 
 
 # awkward sizes: 1 row, a verify pass (9), more than one pass of rows (13, 25, 72), K not a multiple
@@ -449,7 +484,7 @@ def test_weights_the_q8_kernel_cannot_take_stay_as_they_are(shape, why):
                                                     (64, 32, 16, "u4", False)])
 def test_q8_kernel_matches_its_float64_reference(M, K, N, bs, kind, offset):
     rng = np.random.default_rng(M * 100 + K + N)
-    q = quant.pack_for_q8(q8_weight(rng, K, N, bs, kind, offset))
+    q = native.pack_for_q8(q8_weight(rng, K, N, bs, kind, offset))
     x = rng.standard_normal((M, K)).astype(np.float32)
     x[0, : min(K, 40)] *= 30  # blocks of very different scales in one row
     y = np.asarray(jax.jit(native.dot)(jnp.asarray(x), q))
@@ -467,7 +502,7 @@ def test_q8_rows_do_not_depend_on_the_others():
     """Bit for bit, whatever rows share the call and however they are split into passes, so a
     verify pass and a decode step compute a position alike (exact speculation = target-only)."""
     rng = np.random.default_rng(2)
-    q = quant.pack_for_q8(q8_weight(rng, 192, 64, 32, "u4", True))
+    q = native.pack_for_q8(q8_weight(rng, 192, 64, 32, "u4", True))
     x = jnp.asarray(rng.standard_normal((23, 192)).astype(np.float32))
     full = np.asarray(native.dot(x, q))
     for i in (0, 9, 22):
@@ -477,7 +512,7 @@ def test_q8_rows_do_not_depend_on_the_others():
 
 def test_q8_zeros_and_non_finite_rows():
     rng = np.random.default_rng(3)
-    q = quant.pack_for_q8(q8_weight(rng, 64, 32, 32, "i8", False))
+    q = native.pack_for_q8(q8_weight(rng, 64, 32, 32, "i8", False))
     x = rng.standard_normal((4, 64)).astype(np.float32)
     x[1] = 0
     x[2, 5], x[3, 40] = np.inf, np.nan
@@ -490,11 +525,11 @@ def test_q8_zeros_and_non_finite_rows():
 def test_q8_stack_is_read_in_place_by_layer():
     rng = np.random.default_rng(4)
     ws = [q8_weight(rng, 96, 32, 32, "u4", True) for _ in range(3)]
-    stack = quant.pack_for_q8(quant.stack_layers(ws))
+    stack = native.pack_for_q8(quant.stack_layers(ws))
     x = jnp.asarray(rng.standard_normal((9, 96)).astype(np.float32))
     f = jax.jit(lambda x, s, i: native.dot(x, s, i))
     for i, w in enumerate(ws):
-        np.testing.assert_array_equal(np.asarray(f(x, stack, jnp.int32(i))), np.asarray(native.dot(x, quant.pack_for_q8(w))))
+        np.testing.assert_array_equal(np.asarray(f(x, stack, jnp.int32(i))), np.asarray(native.dot(x, native.pack_for_q8(w))))
 
 
 @pytest.fixture(scope="module")
@@ -510,27 +545,25 @@ def small_q4():
 
 
 def test_the_q8_engine_packs_for_the_int8_path_and_stays_close_to_float(small_q4):
-    from specjax.engine import _pack
+    from specjax.native import pack_params as _pack
     from specjax.models import llama
 
     engine = specjax.Engine(small_q4, matmul="q8", max_new_tokens=4, eos_ids=())
     layers = engine.params.target["layers"]
-    assert isinstance(layers["w_up"], quant.Q8Tiles) and layers["w_up"].bits == 4  # Q4_1
-    assert isinstance(layers["wq"], quant.Q8Tiles) and layers["wq"].bits == 8  # Q8_0
-    assert isinstance(engine.params.target["head_tiles"], quant.Q8Tiles)
+    assert isinstance(layers["w_up"], native.Q8Tiles) and layers["w_up"].bits == 4  # Q4_1
+    assert isinstance(layers["wq"], native.Q8Tiles) and layers["wq"].bits == 8  # Q8_0
+    assert isinstance(engine.params.target["head_tiles"], native.Q8Tiles)
     cache = llama.init_cache(SMALL, 2, 32)
     tokens = jnp.asarray([[5, 6, 7], [1, 2, 3]], jnp.int32)
-    step = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c)[0])
-    with quant.native_matmul(True):
-        q8 = np.asarray(step(engine.params.target, tokens, cache))
-        hlo = step.lower(engine.params.target, tokens, cache).as_text()
-        exact = np.asarray(step(_pack(small_q4.params, jnp.float32), tokens, cache))
+    step = jax.jit(lambda p, t, c: llama.forward_cached(SMALL, p, t, c, backend=NATIVE)[0])
+    q8 = np.asarray(step(engine.params.target, tokens, cache))
+    hlo = step.lower(engine.params.target, tokens, cache).as_text()
+    exact = np.asarray(step(_pack(small_q4.params, jnp.float32), tokens, cache))
     assert "specjax_q8dot" in hlo
     assert np.abs(q8 - exact).max() <= 0.05 * np.abs(exact).max()
     # a prefill-sized forward goes through the same kernel (no float path with other numerics)
-    long = jnp.asarray(np.arange(quant.NATIVE_MAX_ROWS + 2)[None] % SMALL.vocab_size)
-    with quant.native_matmul(True):
-        text = jax.jit(lambda p, t: llama.forward(SMALL, p, t)).lower(engine.params.target, long).as_text()
+    long = jnp.asarray(np.arange(NATIVE_MAX_ROWS + 2)[None] % SMALL.vocab_size)
+    text = jax.jit(lambda p, t: llama.forward(SMALL, p, t, backend=NATIVE)).lower(engine.params.target, long).as_text()
     assert "specjax_q8dot" in text
 
 
@@ -539,7 +572,7 @@ def test_engines_of_one_model_share_its_packed_weights_until_the_model_goes(smal
     of the model (13 methods of a 1.5B + 0.5B pair ran out of memory); the copy goes with the model."""
     import gc
 
-    from specjax import engine as engine_module
+    from specjax.native import _pack as engine_module  # the packing cache lives with the kernel
 
     before = len(engine_module._PACKED)
     model = small_q4.with_params(jax.tree.map(lambda x: x, small_q4.params))  # its own weight objects
@@ -549,7 +582,7 @@ def test_engines_of_one_model_share_its_packed_weights_until_the_model_goes(smal
     native_engine = specjax.Engine(model, matmul="native", max_new_tokens=4, eos_ids=())
     for name in ("w_up", "wq"):
         assert a.params.target["layers"][name] is b.params.target["layers"][name]
-        assert isinstance(native_engine.params.target["layers"][name], quant.PackedQuant)  # not q8's tiles
+        assert isinstance(native_engine.params.target["layers"][name], native.PackedQuant)  # not q8's tiles
     assert a.params.target["head_tiles"] is b.params.target["head_tiles"]
     assert len(engine_module._PACKED) > before
     expected = a.generate(PROMPTS).tokens
@@ -651,11 +684,12 @@ def test_q8_forward_uses_the_native_attention_and_stays_close(small_q4):
     prefix = jnp.asarray([[5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6]], jnp.int32)
 
     def run(attention):
+        backend = NATIVE.replace(native_attention=attention)
+
         def fwd(p, t, cache):
-            with quant.native_matmul(True), quant.native_attention(attention):
-                logits, cache = llama.forward_cached(SMALL, p, t, cache)
-                cache = cache._replace(lengths=jnp.asarray([6, 4], jnp.int32))
-                return llama.forward_cached(SMALL, p, t[:, :3], cache)[0]
+            logits, cache = llama.forward_cached(SMALL, p, t, cache, backend=backend)
+            cache = cache._replace(lengths=jnp.asarray([6, 4], jnp.int32))
+            return llama.forward_cached(SMALL, p, t[:, :3], cache, backend=backend)[0]
         f = jax.jit(fwd)
         return np.asarray(f(engine.params.target, prefix, cache)), f.lower(engine.params.target, prefix, cache).as_text()
 
@@ -669,7 +703,7 @@ def test_q8_forward_gives_a_position_the_same_logits_at_any_width():
     """On the q8 path every op of a position is per row (int8 rows, native attention, the norm's
     fixed-order sum), so a token scored in a K = 8 or 16 verify pass gets the bits it gets when
     decoded alone: what makes exact speculation equal q8 target-only decoding."""
-    from specjax.engine import _pack
+    from specjax.native import pack_params as _pack
     from specjax.models import llama
 
     config = dataclasses.replace(SMALL, hidden_size=576, intermediate_size=128, num_heads=9, num_kv_heads=3,
@@ -678,11 +712,12 @@ def test_q8_forward_gives_a_position_the_same_logits_at_any_width():
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 30)), jnp.int32)
 
     def score(width):
+        backend = NATIVE.replace(native_attention=True)
+
         def fwd(p, t, cache):
-            with quant.native_matmul(True), quant.native_attention(True):
-                _, cache = llama.forward_cached(config, p, t[:, :12], cache)
-                cache = cache._replace(lengths=jnp.asarray([12, 12], jnp.int32))
-                return llama.forward_cached(config, p, t[:, 12:12 + width], cache)[0]
+            _, cache = llama.forward_cached(config, p, t[:, :12], cache, backend=backend)
+            cache = cache._replace(lengths=jnp.asarray([12, 12], jnp.int32))
+            return llama.forward_cached(config, p, t[:, 12:12 + width], cache, backend=backend)[0]
         return np.asarray(jax.jit(fwd)(params, tokens, llama.init_cache(config, 2, 48)))
 
     one = score(1)

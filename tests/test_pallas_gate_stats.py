@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from specjax.backend import Backend
 from specjax import pallas as sp
 from specjax.pallas import _dispatch, _gate_kernel
 
@@ -219,19 +220,15 @@ def test_dispatch_defaults_and_switch(monkeypatch):
     assert_stats_close(sp.gate_stats(x, tok, block_v=128), sp.gate_stats_reference(x, tok))
     assert len(calls) == 1 and calls[0]["interpret"] is True
     monkeypatch.setenv(_dispatch.ENV_VAR, "auto")
-    previous = sp.set_impl("kernel")
-    try:
-        sp.gate_stats(x, tok, block_v=128)
-        assert len(calls) == 2
-    finally:
-        sp.set_impl(previous)
+    sp.gate_stats(x, tok, block_v=128, backend=Backend(pallas="kernel"))  # the backend's choice beats the env
+    assert len(calls) == 2
     sp.gate_stats(x, tok, impl="reference")
     assert len(calls) == 2
     monkeypatch.setenv(_dispatch.ENV_VAR, "fast")
     with pytest.raises(ValueError, match="SPECJAX_PALLAS"):
         sp.gate_stats(x, tok)
-    with pytest.raises(ValueError, match="impl"):
-        sp.set_impl("gpu")
+    with pytest.raises(ValueError, match="pallas must be one of"):
+        Backend(pallas="gpu")
 
 
 @pytest.mark.parametrize("impl", ["kernel", "reference"])

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax.backend import Backend
 from specjax.models import quant
 
 T = gguf.GGMLQuantizationType
@@ -176,7 +177,7 @@ def test_head_is_one_dot_off_the_cpu_or_on_a_vocabulary_split_mesh():
     np.testing.assert_array_equal(np.asarray(whole), np.asarray(plain))
 
     def has_scan(chunk):
-        with quant.head_chunks(chunk):
-            return "scan" in str(jax.make_jaxpr(lambda x: quant.matmul_columns(x, bq))(x))
+        backend = Backend(head_chunk=chunk)
+        return "scan" in str(jax.make_jaxpr(lambda x: quant.matmul_columns(x, bq, backend=backend))(x))
 
     assert has_scan(32) and not has_scan(0)

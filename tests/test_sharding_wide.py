@@ -126,8 +126,8 @@ def test_abstract_models_take_repeat_and_pad_alike(wide):
         assert plans[0][0].num_kv_heads == 8  # repeated 4x, or padded to 8 (H' = 32 then)
     # pad on the abstract 70B (it raised IndexError): 8 -> 16 KV heads, 128 query heads
     m = jax.make_mesh((1, 8), ("data", "model"))
-    big = sharding.prepare_models(sharding.MeshConfig(m, attention="pad"),
-                                  models.abstract("llama-3.1-70b", jnp.bfloat16), None)[0]
+    big = sharding.prepare_model(sharding.MeshConfig(m, attention="pad"),
+                                 models.abstract("llama-3.1-70b", jnp.bfloat16), "target")
     assert (big.config.num_heads, big.config.num_kv_heads) == (64, 8)  # 8 divides 8: unchanged
     big = sharding.pad_heads(models.abstract("llama-3.1-70b", jnp.bfloat16), 16)
     assert (big.config.num_heads, big.config.num_kv_heads) == (128, 16)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from specjax.backend import Backend
 from specjax import pallas, verify
 
 B, K = 3, 6
@@ -43,12 +44,11 @@ def round_inputs(V, seed=0, dtype=jnp.float32):
     return jnp.asarray(d), jnp.asarray(L, dtype), jnp.asarray(k)
 
 
-def run_rule(method, T, opts, d, L, k, vocab_sharding=None):
+def run_rule(method, T, opts, d, L, k, vocab_sharding=None, pallas_impl=None):
     rule = verify.rule(method, **opts)
-    # A fresh function per call: the pallas implementation is chosen when it is traced.
-    fn = jax.jit(lambda s, d, L, k, key: rule(s, d, L, num_draft_B=k, key=key, temperature=T))
-    with verify.use_vocab_sharding(vocab_sharding):
-        return fn(rule.init_state(d.shape[0]), d, L, k, jax.random.key(3))
+    backend = Backend(vocab_sharding=vocab_sharding, pallas=pallas_impl)
+    fn = jax.jit(lambda s, d, L, k, key: rule(s, d, L, num_draft_B=k, key=key, temperature=T, backend=backend))
+    return fn(rule.init_state(d.shape[0]), d, L, k, jax.random.key(3))
 
 
 def assert_same(a, b, what):
@@ -60,12 +60,8 @@ def assert_same(a, b, what):
 def test_forced_kernel_equals_default(method, T, opts):
     d, L, k = round_inputs(V=300)  # V not a multiple of the kernel's block
     want = run_rule(method, T, opts, d, L, k)
-    previous = pallas.set_impl("kernel")
-    try:
-        got = run_rule(method, T, opts, d, L, k)
-        jaxpr = str(jax.make_jaxpr(lambda d, L, k: run_rule(method, T, opts, d, L, k))(d, L, k))
-    finally:
-        pallas.set_impl(previous)
+    got = run_rule(method, T, opts, d, L, k, pallas_impl="kernel")
+    jaxpr = str(jax.make_jaxpr(lambda d, L, k: run_rule(method, T, opts, d, L, k, pallas_impl="kernel"))(d, L, k))
     assert "pallas_call" in jaxpr
     assert_same(got, want, f"{method} T={T} {opts}")
     if method != "greedy" and T == 0:  # the loose rules do accept mismatches here
@@ -142,22 +138,22 @@ def test_vocab_and_batch_sharded_moves_only_partials():
         want = run_rule(method, T, opts, d, L, k)
         assert_same(run_rule(method, T, opts, ds, Ls, ks, vocab_sharding=sharding), want, f"{method} {opts}")
     rule = verify.Fly(theta=0.0, window=1)
-    fn = jax.jit(lambda d, L, k: rule((), d, L, num_draft_B=k)[0])
-    with verify.use_vocab_sharding(sharding):
-        ops = collectives(fn, ds, Ls, ks)
+    fn = jax.jit(lambda d, L, k: rule((), d, L, num_draft_B=k, backend=Backend(vocab_sharding=sharding))[0])
+    ops = collectives(fn, ds, Ls, ks)
     assert len(ops) == 1 and "all-gather" in ops[0] and f"f32[2,4,{K + 1},8]" in ops[0], ops
 
 
 @needs_8
-def test_use_vocab_sharding_with_a_plain_rule():
+def test_vocab_sharding_with_a_plain_rule():
     d, L, k = round_inputs(V=8 * 16, seed=2)
     rule = lambda d, L, k: verify.fly(d, L, theta=0.3, window=1, entropy="top3", num_draft=k)  # noqa: E731
     want = jax.jit(jax.vmap(rule))(d, L, k)
     mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
-    with verify.use_vocab_sharding(verify.VocabSharding(mesh)):
-        fn = jax.jit(jax.vmap(rule))
-        got = fn(d, L, k)
-        ops = collectives(fn, d, L, k)
+    backend = Backend(vocab_sharding=verify.VocabSharding(mesh))
+    fn = jax.jit(jax.vmap(lambda d, L, k: verify.fly(d, L, theta=0.3, window=1, entropy="top3", num_draft=k,
+                                                     backend=backend)))
+    got = fn(d, L, k)
+    ops = collectives(fn, d, L, k)
     assert_same(got, want, "fly top3 sharded")
     assert ops and all("all-gather" in o and ",8]" in o for o in ops), ops  # partials, never logits
 
@@ -172,8 +168,7 @@ def test_vocab_sharding_errors():
         verify.VocabSharding(jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Auto,) * 2),
                              "model", batch_axis="model")
     with pytest.raises(ValueError, match="VocabSharding or None"):
-        with verify.use_vocab_sharding((mesh, "model")):
-            pass
+        Backend(vocab_sharding=(mesh, "model"))
     with pytest.raises(ValueError, match="names no mesh axis"):
         verify.VocabSharding(mesh, ())
     one = verify.VocabSharding(jax.make_mesh((1,), ("model",)))

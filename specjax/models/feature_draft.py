@@ -87,23 +87,25 @@ def init_params(target_config: Config, target_params, vocab_ids, seed: int = 0):
 
 
 def features(config: Config, params, embed_BTD, feat_BTD, positions_BT, cache: llama.KVCache | None = None,
-             dtype=jnp.float32):
+             dtype=jnp.float32, backend=None):
     """Predicted next features f^[B, T, D] at `positions_BT` (and the cache with their keys and
-    values written; None: attend over this call's tokens only, as in training)."""
+    values written; None: attend over this call's tokens only, as in training). backend: the
+    matmul path (`specjax.backend.Backend`; None: XLA's dot)."""
     z_BTD = jnp.concatenate([embed_BTD.astype(dtype), feat_BTD.astype(dtype)], axis=-1)
-    z_BTD = quant.contract("btd,de->bte", z_BTD, params["fc_w"], 1, dtype) + params["fc_b"].astype(dtype)
+    z_BTD = quant.contract("btd,de->bte", z_BTD, params["fc_w"], 1, dtype, backend=backend) + params["fc_b"].astype(dtype)
     kv = (None, None) if cache is None else (cache.k, cache.v)
-    (f_BTD, k, v), _ = llama.Block(config, dtype).apply(
+    (f_BTD, k, v), _ = llama.Block(config, dtype, backend=backend).apply(
         {"params": params["layer"]}, (z_BTD, *kv), 0, positions_BT, None if cache is None else positions_BT)
     return f_BTD, (None if cache is None else llama.KVCache(k, v, cache.lengths))
 
 
-def logits(config: Config, params, feat_BTD, dtype=jnp.float32):
+def logits(config: Config, params, feat_BTD, dtype=jnp.float32, backend=None):
     """float32[..., Vd] over the reduced vocabulary, for features [..., D]."""
     h = llama.RMSNorm(config.rms_norm_eps).apply({"params": {"scale": params["norm"]}}, feat_BTD.astype(dtype))
     lead = h.shape[:-1]  # [B, T] or [B]
     h = h.reshape(1, -1, h.shape[-1])
-    return quant.contract("btd,dv->btv", h, params["head"], 1, dtype).astype(jnp.float32).reshape(*lead, -1)
+    return quant.contract("btd,dv->btv", h, params["head"], 1, dtype,
+                          backend=backend).astype(jnp.float32).reshape(*lead, -1)
 
 
 LINEAR = {"fc_w": 1, "head": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}

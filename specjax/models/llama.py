@@ -22,6 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from specjax import backend as _backend
+from specjax.backend import Backend
 from specjax.models import quant
 from specjax.models.config import Config
 
@@ -97,23 +99,19 @@ def apply_rope(x_BTHDh, positions_BT, inv_freq):
     return out.astype(x_BTHDh.dtype)
 
 
-def _native_attention_takes(q_BTHDh, cache_k) -> bool:
-    from specjax import native
-
-    return native.attention_supported(q_BTHDh, cache_k)
-
-
 class Block(nn.Module):
     """One decoder layer; scanned over layers by `Transformer`.
 
     stacked: the parameters arrive as the whole stack of layers (a scan that broadcasts them)
     and `layer` picks this one's, so that the native kernel reads a stacked PackedQuant where it
     lies; a scan's own slicing would copy every layer's weights each step (quant.contract).
+    backend: the matmul path and attention kernel (`specjax.backend.Backend`; None: XLA's).
     """
 
     config: Config
     dtype: Any = jnp.float32
     stacked: bool = False
+    backend: Backend | None = None
 
     @nn.compact
     def __call__(self, carry, layer, positions_BT, write_pos_BT):
@@ -122,13 +120,14 @@ class Block(nn.Module):
         D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         B, T, _ = x_BTD.shape
         # a weight may be a float array or a block-quantized one (quant.contract: XLA's dot of
-        # its dequantization, or the native kernel for decode-sized products on the CPU)
+        # its dequantization, or the backend's native kernel for decode-sized products)
+        backend = _backend.of(self.backend)
         at = layer if self.stacked else None
         w = lambda name, shape: _weight(self, name, shape)  # noqa: E731
         p = lambda name, shape: quant.materialize(  # noqa: E731
             w(name, shape) if at is None else quant.layer_of(w(name, shape), at), self.dtype)
         mm = lambda spec, x, name, shape, n_in=1: quant.contract(spec, x, w(name, shape), n_in,  # noqa: E731
-                                                                 self.dtype, at)
+                                                                 self.dtype, at, backend)
 
         h_BTD = RMSNorm(c.rms_norm_eps, name="attn_norm")(x_BTD, at)
         q_BTHDh = mm("btd,dhk->bthk", h_BTD, "wq", (D, H, Dh))
@@ -151,11 +150,9 @@ class Block(nn.Module):
             keys_BSGDh, values_BSGDh = cache_k[layer], cache_v[layer]
         S = keys_BSGDh.shape[1]
 
-        if cache_k is not None and quant.native_attention_enabled() and _native_attention_takes(q_BTHDh, cache_k):
-            from specjax import native
-
+        if cache_k is not None and backend.native_attention and backend.kernels.attention_supported(q_BTHDh, cache_k):
             # each query over its visible keys only, the stack read in place (no copy of the layer)
-            attn_BTHDh = native.attention(q_BTHDh, cache_k, cache_v, layer, positions_BT)
+            attn_BTHDh = backend.kernels.attention(q_BTHDh, cache_k, cache_v, layer, positions_BT)
         else:
             q_BTGQDh = q_BTHDh.reshape(B, T, G, H // G, Dh)
             scores = jnp.einsum("btgqk,bsgk->bgqts", q_BTGQDh, keys_BSGDh.astype(self.dtype),
@@ -186,14 +183,16 @@ class Transformer(nn.Module):
     config: Config
     dtype: Any = jnp.float32
     unrolled: bool = False  # layers as `layer_0` .. `layer_{N-1}` (unstack_layers), a loop instead of a scan
+    backend: Backend | None = None  # the matmul path, head chunking and attention kernel (None: XLA's)
 
     def _packed_stack(self) -> bool:
-        """Stacked layers holding PackedQuant or Q8Tiles weights (made by the Engine for the native kernel)."""
-        if self.is_initializing() or not quant.native_enabled():
+        """Stacked layers holding weights in a kernel's layout (`quant.Relaid`, packed by the Engine
+        for the native kernel), which a native backend reads in place."""
+        if self.is_initializing() or not _backend.of(self.backend).native:
             return False
         stack = self.variables.get("params", {}).get("layers", {})
-        packed = (quant.PackedQuant, quant.Q8Tiles)
-        return any(isinstance(w, packed) for w in jax.tree.leaves(stack, is_leaf=lambda w: isinstance(w, packed)))
+        relaid = lambda w: isinstance(w, quant.Relaid)  # noqa: E731
+        return any(relaid(w) for w in jax.tree.leaves(stack, is_leaf=relaid))
 
     @nn.compact
     def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None, select_BJ=None, features=False):
@@ -210,16 +209,17 @@ class Transformer(nn.Module):
         if self.unrolled:
             carry = (x_BTD, cache_k, cache_v)
             for i in range(c.num_layers):
-                carry, _ = Block(c, self.dtype, name=f"layer_{i}")(carry, i, positions_BT, write_pos_BT)
+                carry, _ = Block(c, self.dtype, backend=self.backend, name=f"layer_{i}")(carry, i, positions_BT,
+                                                                                        write_pos_BT)
             x_BTD, cache_k, cache_v = carry
         elif self._packed_stack():  # the stack read in place by the native kernel (Block.stacked)
             layers = nn.scan(Block, variable_broadcast="params", split_rngs={"params": False},
                              in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(
-                c, self.dtype, stacked=True, name="layers")
+                c, self.dtype, stacked=True, backend=self.backend, name="layers")
         else:
             layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                             in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(c, self.dtype,
-                                                                                           name="layers")
+                             in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(
+                c, self.dtype, backend=self.backend, name="layers")
         if not self.unrolled:
             (x_BTD, cache_k, cache_v), _ = layers((x_BTD, cache_k, cache_v), jnp.arange(c.num_layers),
                                                   positions_BT, write_pos_BT)
@@ -231,7 +231,7 @@ class Transformer(nn.Module):
         head_DV = embed_DV if c.tie_embeddings else _weight(self, "lm_head", (c.hidden_size, c.vocab_size))
         if self.has_variable("params", "head_tiles"):  # the head's codes in the native kernel's order
             head_DV = self.get_variable("params", "head_tiles")
-        logits_BTV = quant.matmul_columns(x_BTD, head_DV, self.dtype)
+        logits_BTV = quant.matmul_columns(x_BTD, head_DV, self.dtype, backend=self.backend)
         if c.vocab_used is not None and c.vocab_used < c.vocab_size:  # padding ids are never chosen
             real_V = jnp.arange(c.vocab_size) < c.vocab_used
             logits_BTV = jnp.where(real_V, logits_BTV, -jnp.inf)
@@ -250,15 +250,19 @@ def embed_tokens(embed_DV, tokens_BT, dtype=jnp.float32):
     return jnp.moveaxis(jnp.take(embed_DV.astype(dtype), tokens_BT, axis=1), 0, -1)
 
 
-def forward(config: Config, params, tokens_BT, *, dtype=jnp.float32):
-    """Full causal forward without a cache: float32[B, T, V] at positions 0..T-1."""
+def forward(config: Config, params, tokens_BT, *, dtype=jnp.float32, backend=None):
+    """Full causal forward without a cache: float32[B, T, V] at positions 0..T-1.
+
+    backend (here and below): the matmul path, head chunking and attention kernel
+    (`specjax.backend.Backend`); None is XLA's dot, the head chunked on an unsharded CPU."""
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, _ = Transformer(config, dtype, is_unrolled(params)).apply({"params": params}, tokens_BT, positions_BT)
+    logits, _ = Transformer(config, dtype, is_unrolled(params), backend).apply({"params": params}, tokens_BT, positions_BT)
     return logits
 
 
-def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=jnp.float32, select_BJ=None):
+def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=jnp.float32, select_BJ=None,
+                   backend=None):
     """Scores T new tokens per row at positions lengths[b] .. lengths[b]+T-1.
 
     Writes their keys and values into the cache but does not advance `lengths`:
@@ -269,24 +273,24 @@ def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=j
     """
     B, T = tokens_BT.shape
     positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    logits, (k, v) = Transformer(config, dtype, is_unrolled(params)).apply(
+    logits, (k, v) = Transformer(config, dtype, is_unrolled(params), backend).apply(
         {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT, select_BJ)
     return logits, KVCache(k, v, cache.lengths)
 
 
 def forward_features(config: Config, params, tokens_BT, cache: KVCache | None = None, *, dtype=jnp.float32,
-                     select_BJ=None):
+                     select_BJ=None, backend=None):
     """`forward` (cache None) or `forward_cached`, also returning the last layer's output before
     the final norm at every fed position: (logits, features [B, T, D] in `dtype`, cache or None).
     The target's features are what a feature draft (`specjax.models.feature_draft`) reads."""
     B, T = tokens_BT.shape
     if cache is None:
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        logits, _, feats = Transformer(config, dtype, is_unrolled(params)).apply(
+        logits, _, feats = Transformer(config, dtype, is_unrolled(params), backend).apply(
             {"params": params}, tokens_BT, positions_BT, select_BJ=select_BJ, features=True)
         return logits, feats, None
     positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    logits, (k, v), feats = Transformer(config, dtype, is_unrolled(params)).apply(
+    logits, (k, v), feats = Transformer(config, dtype, is_unrolled(params), backend).apply(
         {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT, select_BJ, True)
     return logits, feats, KVCache(k, v, cache.lengths)
 
@@ -319,7 +323,7 @@ def unstack_layers(params, dtype=jnp.float32):
             if isinstance(x, quant.BlockQuant):
                 return quant.BlockQuant(x.codes[i], x.scale[i], None if x.offset is None else x.offset[i],
                                         x.shape).dequantize(dtype)
-            if isinstance(x, (quant.PackedQuant, quant.Q8Tiles)):  # made for the native kernel, read in place
+            if isinstance(x, quant.Relaid):  # made for the native kernel, read in place
                 return jax.tree.map(lambda a: jnp.array(a[i]), x)
             return jnp.asarray(x[i])  # float weights keep the dtype they are stored in
         return jax.tree.map(one, params["layers"], is_leaf=quant.is_quantized)

@@ -17,21 +17,36 @@ against the library's dequantization of the original before returning.
 
 from __future__ import annotations
 
-import contextlib
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax import backend as _backend
+from specjax.backend import Backend
+
 
 def _bytes(*arrays) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in arrays if a is not None)
 
 
+class _Coded:
+    """What every block-coded weight shares: float32 values, and the bytes of its arrays."""
+
+    @property
+    def dtype(self):
+        return jnp.float32
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(*self.stored())
+
+
 @struct.dataclass
-class BlockQuant:
+class BlockQuant(_Coded):
     """A weight of logical shape `shape` = (codes * scale + offset).reshape(shape).
 
     Linear weights (ours are [*in, *out]): codes int8[in/bs, bs, out], scale/offset float32[in/bs, 1, out].
@@ -43,13 +58,8 @@ class BlockQuant:
     offset: jax.Array | None
     shape: tuple[int, ...] = struct.field(pytree_node=False)
 
-    @property
-    def dtype(self):
-        return jnp.float32
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.codes, self.scale, self.offset)
+    def stored(self) -> tuple:
+        return self.codes, self.scale, self.offset
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         w = self.codes.astype(jnp.float32) * self.scale
@@ -59,296 +69,75 @@ class BlockQuant:
         return w.reshape(*lead, *self.shape).astype(dtype)
 
 
-# Columns per tile of a PackedQuant: the native kernel's tile (specjax/native/blockdot.cc, kCols).
-PACK_COLUMNS = 32
+class Relaid(_Coded):
+    """Base of a BlockQuant kept in another layout for a kernel (`specjax.native` defines them:
+    `native.PackedQuant`, `native.Q8Tiles`). What this module needs of one: float32 values,
+    their bytes, and the same weight as a row-major BlockQuant (`unpacked`). A subclass has
+    `data`, `scale`, `offset` and `shape` fields.
 
+    any_rows: the kernel runs it at every number of rows (the int8-activation tiles, whose
+    numerics must not change with the rows), not only up to `Backend.native_max_rows`."""
 
-class _Relaid:
-    """What the native kernel's layouts of a BlockQuant share: float32 values, their bytes, and
-    the dequantized weight by way of the row-major BlockQuant (`unpacked`, per layout)."""
+    any_rows: ClassVar[bool] = False
 
-    @property
-    def dtype(self):
-        return jnp.float32
-
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.data, self.scale, self.offset)
+    def stored(self) -> tuple:
+        return self.data, self.scale, self.offset
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return self.unpacked().dequantize(dtype)
 
-
-@struct.dataclass
-class PackedQuant(_Relaid):
-    """A BlockQuant's codes in the native CPU kernel's order: each tile of 32 columns one
-    contiguous stream, which the kernel reads where it lies, and 4-bit codes two per byte (half
-    the code bytes). The engine makes them only for that kernel (`pack_nibbles`, `tile_codes`),
-    never on a mesh.
-
-    data: bits 4: uint8[..., out/32, in/2, 32]: tile t, byte j holds the codes of rows 2j (low
-    nibble) and 2j + 1 (high nibble) of columns 32t .. 32t + 31, as unsigned 0..15 or, with
-    `signed`, two's complement -8..7; bits 8: int8[..., out/32, in, 32].
-    scale / offset: float32[..., out/32, in/bs, 32].
-    """
-
-    data: jax.Array
-    scale: jax.Array
-    offset: jax.Array | None
-    shape: tuple[int, ...] = struct.field(pytree_node=False)
-    bits: int = struct.field(pytree_node=False, default=4)
-    signed: bool = struct.field(pytree_node=False, default=False)
-
     def unpacked(self) -> BlockQuant:
-        """The same weight as a BlockQuant (one int8 code per weight, row-major)."""
-        if self.bits == 4:
-            b = self.data.astype(jnp.int32)  # [..., T, K/2, 32]
-            lo, hi = b & 15, b >> 4
-            if self.signed:
-                lo, hi = lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)
-            codes = jnp.stack([lo, hi], axis=-2).reshape(*b.shape[:-2], 2 * b.shape[-2], b.shape[-1])
-        else:
-            codes = self.data
-        *lead, T, K, C = codes.shape
-        nb = self.scale.shape[-2]
-        codes = codes.reshape(*lead, T, nb, K // nb, C)  # [..., T, nb, bs, 32]
-        rows = lambda a: jnp.moveaxis(a, -4, -2).reshape(*a.shape[:-4], a.shape[-3], a.shape[-2], T * C)  # noqa: E731
-        side = lambda a: None if a is None else rows(a[..., None, :])  # [..., T, nb, 1, 32] -> [..., nb, 1, N]
-        return BlockQuant(rows(codes).astype(jnp.int8), side(self.scale), side(self.offset), self.shape)
-
-
-def _tiles(a, lead):
-    """[..., nb, r, N] -> [..., N/32, nb * r, 32] (each tile's rows contiguous)."""
-    a = np.asarray(a)
-    a = a.reshape(*a.shape[:-1], a.shape[-1] // PACK_COLUMNS, PACK_COLUMNS)
-    return np.ascontiguousarray(np.moveaxis(a, -2, -4)).reshape(*lead, a.shape[-2], -1, PACK_COLUMNS)
-
-
-def pack_nibbles(w: BlockQuant):
-    """`w` as a 4-bit PackedQuant when every code fits in 4 bits (Q4_0: -8..7; Q4_1/Q4_K:
-    0..15), its blocks have an even size and its columns fill tiles; otherwise `w` unchanged.
-    On the host."""
-    codes = np.asarray(w.codes)  # [..., nb, bs, N]
-    *lead, nb, bs, N = codes.shape
-    if bs % 2 or N % PACK_COLUMNS or codes.size == 0:
-        return w
-    lo, hi = int(codes.min()), int(codes.max())
-    if 0 <= lo and hi <= 15:
-        signed = False
-    elif -8 <= lo and hi <= 7:
-        signed = True
-    else:
-        return w
-    nib = codes.astype(np.uint8) & 15  # two's complement keeps a signed code's low 4 bits
-    packed = nib[..., 0::2, :] | (nib[..., 1::2, :] << 4)  # [..., nb, bs/2, N]
-    return PackedQuant(jnp.asarray(_tiles(packed, lead)), jnp.asarray(_tiles(w.scale, lead)),
-                       None if w.offset is None else jnp.asarray(_tiles(w.offset, lead)), w.shape, 4, signed)
-
-
-def tile_codes(w: BlockQuant):
-    """`w` as an 8-bit PackedQuant (its int8 codes tile by tile) when its columns fill tiles;
-    otherwise `w` unchanged. On the host."""
-    codes = np.asarray(w.codes)
-    *lead, nb, bs, N = codes.shape
-    if N % PACK_COLUMNS or codes.size == 0:
-        return w
-    return PackedQuant(jnp.asarray(_tiles(codes, lead)), jnp.asarray(_tiles(w.scale, lead)),
-                       None if w.offset is None else jnp.asarray(_tiles(w.offset, lead)), w.shape, 8)
-
-
-def pack_for_native(w: BlockQuant):
-    """`w` in the native kernel's order: 4-bit codes two per byte where they fit, else int8
-    codes tile by tile; `w` unchanged where its columns do not fill tiles."""
-    packed = pack_nibbles(w)
-    return packed if isinstance(packed, PackedQuant) else tile_codes(w)
-
-
-# Columns per tile of a Q8Tiles weight (blockdot.cc, kQCols): one vector of int32 lanes.
-Q8_COLUMNS = 16
-
-
-@struct.dataclass
-class Q8Tiles(_Relaid):
-    """A BlockQuant's codes for the native kernel's int8-activation path (Engine(matmul="q8")):
-    tiles of 16 columns, each a contiguous stream of 64-byte groups in which lane n holds four
-    consecutive rows of column n, so that a group meets four int8 activations in one VNNI
-    dot product. Codes are stored unsigned, `zero` added (0 for 0..15, 8 for -8..7, 128 for int8).
-
-    data: uint8[..., out/16, in/8, 64] (bits 4: byte 4n + i of group g = u(8g + i, n) |
-          u(8g + 4 + i, n) << 4) or uint8[..., out/16, in/4, 64] (bits 8: byte 4n + i = u(4g + i, n)).
-    scale / offset: float32[..., out/16, in/bs, 16].
-    """
-
-    data: jax.Array
-    scale: jax.Array
-    offset: jax.Array | None
-    shape: tuple[int, ...] = struct.field(pytree_node=False)
-    bits: int = struct.field(pytree_node=False, default=4)
-    zero: int = struct.field(pytree_node=False, default=0)
-
-    def unpacked(self) -> BlockQuant:
-        """The same weight as a BlockQuant (one int8 code per weight, row-major)."""
-        b = self.data.astype(jnp.int32)  # [..., T, G, 64]
-        *lead, T, G, _ = b.shape
-        b = b.reshape(*lead, T, G, Q8_COLUMNS, 4)  # [..., T, G, n, i]
-        if self.bits == 4:  # rows 8g + i (low nibbles), then 8g + 4 + i (high)
-            b = jnp.stack([b & 15, b >> 4], axis=-3)  # [..., T, G, 2, n, i]
-            b = jnp.swapaxes(b, -1, -2)  # [..., T, G, 2, i, n]
-        else:
-            b = jnp.swapaxes(b, -1, -2)  # [..., T, G, i, n]
-        codes = (b - self.zero).reshape(*lead, T, -1, Q8_COLUMNS)  # [..., T, K, 16]
-        nb = self.scale.shape[-2]
-        K = codes.shape[-2]
-        rows = lambda a, r: jnp.moveaxis(a.reshape(*lead, T, nb, r, Q8_COLUMNS), -4, -2).reshape(  # noqa: E731
-            *lead, nb, r, T * Q8_COLUMNS)
-        side = lambda a: None if a is None else rows(a, 1)  # noqa: E731
-        return BlockQuant(rows(codes, K // nb).astype(jnp.int8), side(self.scale), side(self.offset), self.shape)
-
-
-def pack_for_q8(w: BlockQuant):
-    """`w` as Q8Tiles for the int8-activation kernel: 4-bit codes two per byte where every code
-    fits in 4 bits, else one byte each; `w` unchanged where its shape does not fit the kernel
-    (columns not in tiles of 16, a block size not a multiple of 8 (4 for 8-bit codes) that
-    neither divides 32 nor is a multiple of it). On the host."""
-    codes = np.asarray(w.codes)  # [..., nb, bs, N]
-    *lead, nb, bs, N = codes.shape
-    if N % Q8_COLUMNS or codes.size == 0 or bs % 4 or (bs % 32 and 32 % bs):
-        return w
-    lo, hi = int(codes.min()), int(codes.max())
-    bits, zero = (4, 0) if 0 <= lo and hi <= 15 else (4, 8) if -8 <= lo and hi <= 7 else (8, 128)
-    if bits == 4 and bs % 8:
-        bits, zero = 8, 128
-    u = (codes.astype(np.int32) + zero).astype(np.uint8).reshape(*lead, nb * bs, N // Q8_COLUMNS, Q8_COLUMNS)
-    T, K = N // Q8_COLUMNS, nb * bs
-    if bits == 4:
-        u = u.reshape(*lead, K // 8, 2, 4, T, Q8_COLUMNS)  # [..., g, h, i, t, n]: row 8g + 4h + i
-        u = u[..., 0, :, :, :] | (u[..., 1, :, :, :] << 4)  # [..., g, i, t, n]
-    else:
-        u = u.reshape(*lead, K // 4, 4, T, Q8_COLUMNS)  # [..., g, i, t, n]: row 4g + i
-    n = len(lead)
-    data = np.ascontiguousarray(np.transpose(u, (*range(n), n + 2, n, n + 3, n + 1)))  # [..., t, g, n, i]
-    data = data.reshape(*lead, T, -1, 64)
-    side = lambda a: None if a is None else jnp.asarray(np.ascontiguousarray(np.moveaxis(  # noqa: E731
-        np.asarray(a).reshape(*lead, nb, T, Q8_COLUMNS), -2, -3)))
-    return Q8Tiles(jnp.asarray(data), side(w.scale), side(w.offset), w.shape, bits, zero)
+        raise NotImplementedError
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, (BlockQuant, PackedQuant, Q8Tiles))
+    return isinstance(w, (BlockQuant, Relaid))
 
 
 def materialize(w, dtype=jnp.float32) -> jax.Array:
-    """A float weight of `dtype` from a plain array, a BlockQuant or a PackedQuant."""
+    """A float weight of `dtype` from a plain array, a BlockQuant or a Relaid one."""
     return w.dequantize(dtype) if is_quantized(w) else jnp.asarray(w).astype(dtype)
 
 
 # Vocabulary columns dequantized per step of the head's scan: the float chunk (D x 1024
 # float32 = 2.4 MB for SmolLM2) stays in cache between its dequantization and the dot.
-VOCAB_CHUNK = 1024
-
 # The chunking is a fix for XLA:CPU. On a GPU/TPU, or with the table split over the vocabulary
 # on a mesh (where a scan of dynamic slices would all-gather the whole table every step), the
-# head is one dot that GSPMD shards. None: decide from the default backend (see head_chunks).
-_head_chunk: list = [None]
+# head is one dot that GSPMD shards (`default_head_chunk`; the Engine sets `Backend.head_chunk`).
+VOCAB_CHUNK = 1024
 
 
-@contextlib.contextmanager
-def head_chunks(chunk: int | None):
-    """Within this context (at trace time) `matmul_columns` reads the head `chunk` columns at a
-    time (0: one whole dot). `loop.Program` sets it from its platform and layout."""
-    _head_chunk.append(chunk)
-    try:
-        yield
-    finally:
-        _head_chunk.pop()
-
-
-# Whether decode-sized matmuls use specjax.native's kernel (codes expanded in registers inside
-# the dot). None: decide from the default backend (see default_native).
-_native: list = [None]
-
-# Rows (B x T) up to which `contract` uses the native kernel; a prefill's many rows make a
-# compute-bound matmul, where XLA's blocked dot is faster.
-NATIVE_MAX_ROWS = 128
-
-
-@contextlib.contextmanager
-def native_matmul(on: bool | None):
-    """Within this context (at trace time) `contract` and `matmul_columns` run small matmuls
-    with the native CPU kernel (`specjax.native`). `loop.Program` sets it from its platform
-    and layout; None decides from the default backend."""
-    _native.append(on)
-    try:
-        yield
-    finally:
-        _native.pop()
-
-
-# Whether cached attention runs in specjax.native's kernel (each query over its visible keys,
-# the cache read in place). Off by default: its exponential is not XLA's, so only the q8 path,
-# whose numerics are llama.cpp's anyway, turns it on (loop.Program).
-_native_attention: list = [False]
-
-
-@contextlib.contextmanager
-def native_attention(on: bool):
-    """Within this context (at trace time) llama.Block computes cached attention natively."""
-    _native_attention.append(bool(on))
-    try:
-        yield
-    finally:
-        _native_attention.pop()
-
-
-def native_attention_enabled() -> bool:
-    return _native_attention[-1]
-
-
-def default_native() -> bool:
-    """On the CPU backend when the kernel builds here (and SPECJAX_NATIVE is not 0). Not for a
-    mesh: a custom call has no sharding rule, so GSPMD would gather its operands (the caller
-    decides; `loop.Program.native_matmul`)."""
-    from specjax import native
-
-    return jax.default_backend() == "cpu" and native.available()
-
-
-def native_enabled() -> bool:
-    """Whether the current trace runs small matmuls natively (the `native_matmul` context)."""
-    return bool(_native[-1] if _native[-1] is not None else default_native())
-
-
-def _use_native(x, w, rows: int, stacked: bool = False) -> bool:
-    from specjax import native
-
-    # Q8Tiles at every size: the int8-activation numerics must not change with the number of
-    # rows (a prefill, a verify pass and a decode step compute a position alike)
-    small = rows <= NATIVE_MAX_ROWS or isinstance(w, Q8Tiles)
-    return native_enabled() and small and native.supports(x, w, stacked)
+def _use_native(x, w, rows: int, backend: Backend, stacked: bool = False) -> bool:
+    """Whether the backend's native kernel computes dot(x, w): a decode-sized product (or a
+    layout the kernel runs at every size, `Relaid.any_rows`) that the kernel supports."""
+    if not backend.native:
+        return False
+    small = rows <= backend.native_max_rows or getattr(w, "any_rows", False)
+    return small and backend.kernels.supports(x, w, stacked)
 
 
 def layer_of(w, layer):
-    """Layer `layer` (a traced index) of a stacked weight: float, BlockQuant or PackedQuant."""
+    """Layer `layer` (a traced index) of a stacked weight: float, BlockQuant or Relaid."""
     pick = lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)  # noqa: E731
     return jax.tree.map(pick, w) if is_quantized(w) else pick(w)
 
 
-def contract(spec: str, x: jax.Array, w, n_in: int, dtype=jnp.float32, layer=None) -> jax.Array:
+def contract(spec: str, x: jax.Array, w, n_in: int, dtype=jnp.float32, layer=None, backend=None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` for a linear layer: x [..., *in] with w [*in, *out] (`n_in`
     contracted dimensions), w float or block-quantized; with `layer`, w is a stack of layers and
-    layer `layer` is used. Decode-sized products on the CPU go to the native kernel (the same
-    values from codes or from their float32 dequantization, bit for bit), which reads a stacked
-    PackedQuant in place; everything else is XLA's dot of the materialized weight."""
+    layer `layer` is used. With a native `backend` (`Backend.matmul`), decode-sized products go
+    to its kernel (the same values from codes or from their float32 dequantization, bit for bit),
+    which reads a stacked Relaid weight in place; everything else is XLA's dot of the
+    materialized weight."""
+    backend = _backend.of(backend)
     lead, inner = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in:]
     K, rows = math.prod(inner), math.prod(lead)
-    if layer is not None and not (isinstance(w, (PackedQuant, Q8Tiles)) and _use_native(x, w, rows, stacked=True)):
+    if layer is not None and not (isinstance(w, Relaid) and _use_native(x, w, rows, backend, stacked=True)):
         w, layer = layer_of(w, layer), None  # the layer's slice (a copy, as a scan would make)
     out = tuple(w.shape[n_in:]) if is_quantized(w) else tuple(w.shape[(layer is not None) + n_in:])
     w2 = w if is_quantized(w) else w.reshape(K, math.prod(out))
-    if layer is not None or _use_native(x, w2, rows):
-        from specjax import native
-
-        return native.dot(x.reshape(rows, K), w2, layer).reshape(*lead, *out)
+    if layer is not None or _use_native(x, w2, rows, backend):
+        return backend.kernels.dot(x.reshape(rows, K), w2, layer).reshape(*lead, *out)
     return jnp.einsum(spec, x, materialize(w, dtype))
 
 
@@ -371,7 +160,7 @@ def take_columns(w: BlockQuant, ids, dtype=jnp.float32) -> jax.Array:
     return jnp.moveaxis(x, 0, -1).astype(dtype)
 
 
-def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int | None = None) -> jax.Array:
+def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int | None = None, backend=None) -> jax.Array:
     """float32[B, T, V] = x @ w for a [D, V] table (the LM head), float or block-quantized.
 
     Outside the layer scan XLA:CPU fuses a dequantization into the dot as a naive loop
@@ -381,21 +170,20 @@ def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int | None = N
     numbers of columns, so the float32 model and the block-quantized one give the same
     logits bit for bit only when both compute them in the same chunks. The last chunk
     starts at V - chunk (dynamic_slice clamps), overlapping its neighbour when chunk
-    does not divide V. chunk 0 is one whole dot; None takes the `head_chunks` context, or
-    `default_head_chunk()` outside one.
+    does not divide V. chunk 0 is one whole dot; None takes `backend.head_chunk`, else
+    `default_head_chunk()`. With a native `backend` a decode-sized product runs in its kernel.
     """
+    backend = _backend.of(backend)
     shape = w.shape
     if len(shape) != 2 or (isinstance(w, BlockQuant) and w.codes.ndim != 3):
         raise ValueError(f"matmul_columns needs an unstacked [D, V] table, got shape {shape}")
     B, T = x_BTD.shape[:2]
-    if _use_native(x_BTD, w, B * T):  # reads the table where it lies, one column tile at a time
-        from specjax import native
-
-        return native.dot(x_BTD.reshape(B * T, shape[0]), w).reshape(B, T, shape[1])
-    if isinstance(w, (PackedQuant, Q8Tiles)):
+    if _use_native(x_BTD, w, B * T, backend):  # reads the table where it lies, one column tile at a time
+        return backend.kernels.dot(x_BTD.reshape(B * T, shape[0]), w).reshape(B, T, shape[1])
+    if isinstance(w, Relaid):
         w = w.unpacked()
     if chunk is None:
-        chunk = _head_chunk[-1] if _head_chunk[-1] is not None else default_head_chunk()
+        chunk = backend.head_chunk if backend.head_chunk is not None else default_head_chunk()
     if chunk == 0:
         return jnp.einsum("btd,dv->btv", x_BTD, materialize(w, dtype), preferred_element_type=jnp.float32)
     V = shape[1]

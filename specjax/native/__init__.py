@@ -8,6 +8,16 @@ the FFI headers that jaxlib ships, into the specjax cache (keyed by the source, 
 jaxlib's version and the CPU), and registered with XLA. Where that fails (no compiler), or
 with `SPECJAX_NATIVE=0`, `available()` is False and the models keep XLA's dot.
 
+A library in the cache is loaded only if it is the one built: each build writes the SHA-256
+and size of the library beside it (`blockdot-*.so.sha256`), and a library that does not match
+(truncated by a killed process, replaced, or without that record) is rebuilt with one warning;
+loading a truncated one would kill the process with a bus error.
+
+This package owns the kernel's weight layouts (`PackedQuant`, `Q8Tiles`, `_layouts`) and the
+packing of an engine's parameters into them (`pack_params`, `_pack`). The models never import
+it: the Engine hands this module to them as `Backend(kernels=native)`, whose `dot`, `supports`,
+`attention` and `attention_supported` are the functions below.
+
     y_MN = dot(x_MK, w)   # w: float32 [K, N] or a BlockQuant with codes [K/bs, bs, N]
 """
 
@@ -27,7 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.quant import PACK_COLUMNS
+from specjax.models import quant
+from specjax.models.quant import BlockQuant
+from specjax.native._layouts import (PACK_COLUMNS, Q8_COLUMNS, PackedQuant, Q8Tiles, pack_for_native,  # noqa: F401
+                                     pack_for_q8, pack_nibbles, tile_codes)
+from specjax.native._pack import pack_params  # noqa: F401
 
 ENV_VAR = "SPECJAX_NATIVE"
 SOURCE = os.path.join(os.path.dirname(__file__), "blockdot.cc")
@@ -65,6 +79,28 @@ def _library_path() -> str:
     return os.path.join(presets.cache_dir(), "native", f"blockdot-{digest}.so")
 
 
+def _digest(path: str) -> str:
+    """"<sha256> <size>" of the file at `path`."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return f"{h.hexdigest()} {os.path.getsize(path)}"
+
+
+def _record(path: str) -> str:
+    return path + ".sha256"
+
+
+def _is_built(path: str) -> bool:
+    """Whether the library at `path` is byte for byte the one a build recorded beside it."""
+    try:
+        with open(_record(path)) as f:
+            return f.read().strip() == _digest(path)
+    except OSError:
+        return False
+
+
 def _compile(path: str) -> None:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -77,6 +113,10 @@ def _compile(path: str) -> None:
     if done.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    fd, record = tempfile.mkstemp(suffix=".sha256", dir=os.path.dirname(path))
+    with os.fdopen(fd, "w") as f:
+        f.write(_digest(tmp) + "\n")
+    os.replace(record, _record(path))
     os.replace(tmp, path)  # atomic: a concurrent process sees the whole library or none
 
 
@@ -87,6 +127,11 @@ def _load() -> bool:
     path = _library_path()
     try:
         if not os.path.exists(path):
+            _compile(path)
+        elif not _is_built(path):  # truncated, replaced, or of an older specjax: never load it
+            warnings.warn(f"specjax's cached native library {path} is not the one built (its SHA-256 or size "
+                          f"differs from {os.path.basename(_record(path))}, or that record is missing): "
+                          "rebuilding it", stacklevel=2)
             _compile(path)
         lib = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target("specjax_blockdot", jax.ffi.pycapsule(lib.SpecjaxBlockDot), platform="cpu")
@@ -109,8 +154,6 @@ def supports(x, w, stacked: bool = False) -> bool:
     """Whether dot(x, w) can run natively: float32 activations, a float32 [K, N] matrix, a
     BlockQuant with int8 codes, or a PackedQuant (`stacked`: one with a leading layer axis), N a
     multiple of the tile."""
-    from specjax.models.quant import Q8_COLUMNS, BlockQuant, PackedQuant, Q8Tiles
-
     if x.dtype != jnp.float32:
         return False
     if isinstance(w, Q8Tiles):
@@ -146,8 +189,6 @@ def _dot(x_MK, w, layer):
 
 @functools.partial(_dot.defjvp, symbolic_zeros=True)
 def _dot_jvp(primals, tangents):
-    from specjax.models import quant
-
     x_MK, w, layer = primals  # the layer index is an integer: no tangent
     dx_MK, dw, _ = tangents
     y = _dot(x_MK, w, layer)
@@ -160,14 +201,12 @@ def _dot_jvp(primals, tangents):
     if dw_leaves:
         if quant.is_quantized(w):
             raise ValueError("native.dot: a block-coded weight has no derivative here (its codes are integers); "
-                             "differentiate a float weight, or run under quant.native_matmul(False)")
+                             "differentiate a float weight, or use Backend(matmul='xla')")
         dy = dy + x_MK @ (dw if layer is None else quant.layer_of(dw, layer))
     return y, dy
 
 
 def _ffi_dot(x_MK, w, layer):
-    from specjax.models.quant import Q8_COLUMNS, BlockQuant, PackedQuant, Q8Tiles
-
     if not available():
         raise RuntimeError("the native kernel is not available (see specjax.native)")
     if not supports(x_MK, w, layer is not None):

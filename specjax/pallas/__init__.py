@@ -6,19 +6,19 @@
 - `regret_prefix`: docs/rules.md's ASD cumulative-regret prefix selection for a batch.
 
 `specjax.verify` reads every statistic its rules need through `gate_stats` (or
-`gate_stats_sharded` under `verify.use_vocab_sharding`), and ASD's prefix
+`gate_stats_sharded` when its backend has a `vocab_sharding`), and ASD's prefix
 selection is `regret_prefix`.
 
 Each dispatches (see `_dispatch`) to the compiled kernel on GPU/TPU and to its jnp
-reference on CPU; `impl="kernel"`, `set_impl("kernel")` or `SPECJAX_PALLAS=kernel`
-forces the kernel (interpret mode on CPU). Under `compile_for("tpu")`, or with a
-mesh of TPU devices in context, a CPU host traces the compiled Mosaic variant (for
-deviceless AOT compilation to a TPU topology). Under `on_mesh(mesh)` a kernel
-traced outside a shard_map runs in a replicated one over `mesh` (the partitioner
-cannot split a Mosaic or Triton call; the engine enters it around verification).
+reference on CPU; `impl="kernel"`, `backend=Backend(pallas="kernel")` or
+`SPECJAX_PALLAS=kernel` forces the kernel (interpret mode on CPU). With
+`backend=Backend(platform="tpu")`, or a mesh of TPU devices in context, a CPU host
+traces the compiled Mosaic variant (for deviceless AOT compilation to a TPU topology).
+With `backend.mesh` set, a kernel traced outside a shard_map runs in a replicated one
+over it (the partitioner cannot split a Mosaic or Triton call).
 """
 
-from specjax.pallas._dispatch import ENV_VAR, compile_for, on_mesh, set_impl, target_platform
+from specjax.pallas._dispatch import ENV_VAR, target_platform
 from specjax.pallas.gate_stats import (GatePartials, GateStats, combine_partials,
                                        finalize_partials, gate_partials,
                                        gate_partials_reference, gate_stats,
@@ -28,7 +28,7 @@ from specjax.pallas.regret_prefix import (RegretPrefix, regret_prefix,
 from specjax.pallas.sharded import gate_stats_sharded
 
 __all__ = [
-    "ENV_VAR", "compile_for", "on_mesh", "set_impl", "target_platform",
+    "ENV_VAR", "target_platform",
     "GateStats", "GatePartials", "gate_stats", "gate_stats_reference", "gate_partials",
     "gate_partials_reference", "combine_partials", "finalize_partials",
     "gate_stats_sharded",

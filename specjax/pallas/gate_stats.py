@@ -134,26 +134,26 @@ def gate_partials_reference(x_MV, tok_M) -> GatePartials:
 
 
 def gate_partials(x_MV, tok_M, *, impl="kernel", interpret=None, variant=None,
-                  block_v=None, block_n=None, num_splits=None) -> GatePartials:
+                  block_v=None, block_n=None, num_splits=None, backend=None) -> GatePartials:
     """Partial statistics of rows [M, V] (kernel or jnp); used by the sharded path."""
     if impl == "reference":
         return gate_partials_reference(x_MV, tok_M)
-    variant = _dispatch.resolve_variant(variant)
+    variant = _dispatch.resolve_variant(variant, backend)
     block_v = block_v or _gate_kernel.DEFAULT_BLOCK_V[variant]
     _gate_kernel.check_block_v(block_v, variant)
     if block_n is None:
         block_n = _gate_kernel.DEFAULT_BLOCK_N
     elif block_n < 8 or block_n % 8:
         raise ValueError(f"block_n must be a positive multiple of 8, got {block_n}")
-    interpret = _dispatch.resolve_interpret(interpret)
-    _dispatch.check_compiled_variant(variant, interpret)
+    interpret = _dispatch.resolve_interpret(interpret, backend)
+    _dispatch.check_compiled_variant(variant, interpret, backend)
     return _gate_kernel.gate_partials_kernel(
         x_MV, tok_M, variant=variant, block_v=block_v, block_n=block_n,
         num_splits=num_splits, interpret=interpret)
 
 
 def gate_stats(logits, tokens=None, *, impl=None, interpret=None, variant=None,
-               block_v=None, block_n=None, num_splits=None) -> GateStats:
+               block_v=None, block_n=None, num_splits=None, backend=None, checked=False) -> GateStats:
     """Per-row GateStats of logits [..., V] (float32 or bfloat16), in one pass.
 
     tokens: integer [...] (e.g. the draft token of each row) whose logit to report, or None.
@@ -161,11 +161,14 @@ def gate_stats(logits, tokens=None, *, impl=None, interpret=None, variant=None,
       "reference". interpret: None (auto: on CPU) or bool. variant: None (by backend),
       "mosaic" (TPU) or "triton" (GPU). block_v: vocabulary block (multiple of 128; a power
       of two for triton). block_n: rows per mosaic tile (multiple of 8). num_splits:
-      vocabulary splits per row (triton default: enough to fill the device).
+      vocabulary splits per row (triton default: enough to fill the device). backend: a
+      `specjax.backend.Backend` (its pallas impl, platform and mesh), None: the plain one.
+    checked: the caller validated logits and tokens already (`verify`'s rules do, once per trace).
     Rows need at least one finite logit; a row of only -inf has lse -inf and NaN entropies.
     """
-    check_inputs(logits, tokens)
-    if _dispatch.resolve_impl(impl) == "reference":
+    if not checked:
+        check_inputs(logits, tokens)
+    if _dispatch.resolve_impl(impl, backend) == "reference":
         return gate_stats_reference(logits, tokens)
     *lead, V = logits.shape
     M = int(np.prod(lead, dtype=np.int64))
@@ -175,6 +178,7 @@ def gate_stats(logits, tokens=None, *, impl=None, interpret=None, variant=None,
     tok = (jnp.full((M,), -1, jnp.int32) if tokens is None
            else jnp.reshape(tokens, (M,)).astype(jnp.int32))
     p = _dispatch.run_kernel(functools.partial(gate_partials, impl="kernel", interpret=interpret, variant=variant,
-                                               block_v=block_v, block_n=block_n, num_splits=num_splits), x, tok)
+                                               block_v=block_v, block_n=block_n, num_splits=num_splits,
+                                               backend=backend), x, tok, backend=backend)
     stats = _online.finalize(p, V, None if tokens is None else tok)
     return GateStats(*(jnp.reshape(a, lead) for a in stats))

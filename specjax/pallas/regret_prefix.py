@@ -7,9 +7,9 @@
     sel.budget_left     # budget_left - spent
     sel.num_loose       # mismatches in the accepted prefix, int32 [B]
 
-The loop itself, one position for a vector of rows, is the rule's own page:
-`specjax.verify._asd` (`position`, with the names of docs/rules.md). This module
-holds only the mechanics around it: validation, the per-position codes, the
+The loop itself, one position for a vector of rows, is `position` (with the names of
+docs/rules.md and of the rule's page, `specjax.verify._asd`, which reads it from here:
+the kernels sit below the rules). Around it: validation, the per-position codes, the
 [K, rows] layout with rows along lanes, padding, and the kernel/reference dispatch.
 
 The kernel keeps the loop's order of float32 additions (a sequential loop over the K
@@ -53,21 +53,48 @@ def suffix_weights(suffix: str, num_draft_B, K: int):
     raise ValueError(f"suffix must be 'count', 'fraction' or an array of weights, got {suffix!r}")
 
 
-def _asd():
-    """The ASD loop's step lives with the rule (`specjax.verify._asd.position`); imported
-    when a kernel is traced, since `specjax.verify` itself imports this package."""
-    from specjax.verify import _asd
-    return _asd
+# Per-position codes of the selection's input: an exact match, a mismatch, or a mismatch
+# another rule vetoes before it is charged (loose_mask False, e.g. FLy's entropy gate).
+MATCH, MISMATCH, VETOED = 0, 1, 2
+
+
+class Scan(NamedTuple):
+    """The loop's variables for a vector of rows (int32 / float32 only: Mosaic has no bool vectors)."""
+
+    live: jax.Array  # 1 while the row is still scanning, else 0
+    n: jax.Array  # accepted prefix length
+    spent: jax.Array  # R: regret charged so far (float32)
+    c: jax.Array  # mismatches charged so far (float32, compared with m)
+    loose: jax.Array  # mismatches accepted
+
+
+def start(shape) -> Scan:
+    return Scan(jnp.ones(shape, jnp.int32), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32))
+
+
+def position(i, s: Scan, code, r, q, budget_left, g, m, k, strict) -> Scan:
+    """Position i of the loop for every row: code (MATCH / MISMATCH / VETOED), regret r,
+    suffix weight q, budget_left, gate g, cap m, num_draft k, strict = g <= 0 or m <= 0."""
+    mismatch = code != MATCH
+    scanning = (s.live != 0) & (i < k)  # padding past num_draft is never accepted
+    R_prev, R = s.spent, s.spent + r
+    c = s.c + 1.0
+    refused = (strict | (code == VETOED) | (r / q > g) | (c > m)
+               | jnp.logical_not((R_prev < budget_left) & (R <= budget_left)))
+    loose = scanning & mismatch & jnp.logical_not(refused)  # a loosely accepted mismatch
+    scanning = scanning & jnp.logical_not(mismatch & refused)  # break
+    return Scan(live=jnp.where(scanning, 1, 0), n=jnp.where(scanning, i + 1, s.n), spent=jnp.where(loose, R, s.spent),
+                c=jnp.where(loose, c, s.c), loose=jnp.where(loose, s.loose + 1, s.loose))
 
 
 def _kernel(code_ref, r_ref, q_ref, budget_ref, gate_ref, cap_ref, k_ref,
             n_ref, spent_ref, loose_ref, *, K):
     budget, gate, cap, k = budget_ref[...], gate_ref[...], cap_ref[...], k_ref[...]
-    asd = _asd()
     strict = (gate <= 0) | (cap <= 0)
-    scan = asd.start(budget.shape)
+    scan = start(budget.shape)
     for i in range(K):  # K is small and static: unrolled, static row slices only
-        scan = asd.position(i, scan, code_ref[i:i + 1, :], r_ref[i:i + 1, :], q_ref[i:i + 1, :],
+        scan = position(i, scan, code_ref[i:i + 1, :], r_ref[i:i + 1, :], q_ref[i:i + 1, :],
                             budget, gate, cap, k, strict)
     n_ref[...] = scan.n
     spent_ref[...] = scan.spent
@@ -111,16 +138,15 @@ def _regret_prefix_kernel(code_BK, r_BK, q_BK, budget_B, gate_B, cap_B, k_B, *, 
 
 @jax.jit
 def _regret_prefix_scan(code_BK, r_BK, q_BK, budget_B, gate_B, cap_B, k_B):
-    asd = _asd()
     strict = (gate_B <= 0) | (cap_B <= 0)
 
     def body(scan, xs):
         i, code, r, q = xs
-        return asd.position(i, scan, code, r, q, budget_B, gate_B, cap_B, k_B, strict), None
+        return position(i, scan, code, r, q, budget_B, gate_B, cap_B, k_B, strict), None
 
     K = code_BK.shape[1]
     xs = (jnp.arange(K, dtype=jnp.int32), code_BK.T, r_BK.T, q_BK.T)
-    scan, _ = lax.scan(body, asd.start(budget_B.shape), xs)
+    scan, _ = lax.scan(body, start(budget_B.shape), xs)
     return scan.n, scan.spent, scan.loose
 
 
@@ -164,13 +190,13 @@ def _prepare(mismatch, regret, budget_left, gate, block_cap, suffix, num_draft, 
         k_B = jnp.clip(per_row("num_draft", nd, jnp.int32), 0, K)
     mis = jnp.reshape(mismatch, (B, K)).astype(jnp.bool_)
     if loose_mask is None:
-        code = jnp.where(mis, _asd().MISMATCH, _asd().MATCH).astype(jnp.int32)
+        code = jnp.where(mis, MISMATCH, MATCH).astype(jnp.int32)
     else:
         if tuple(getattr(loose_mask, "shape", ())) != tuple(mismatch.shape):
             raise ValueError(f"loose_mask must have the shape of mismatch {tuple(mismatch.shape)}, "
                              f"got {tuple(getattr(loose_mask, 'shape', ()))}")
         allowed = jnp.reshape(loose_mask, (B, K)).astype(jnp.bool_)
-        code = jnp.where(mis, jnp.where(allowed, _asd().MISMATCH, _asd().VETOED), _asd().MATCH).astype(jnp.int32)
+        code = jnp.where(mis, jnp.where(allowed, MISMATCH, VETOED), MATCH).astype(jnp.int32)
     r = jnp.reshape(regret, (B, K)).astype(jnp.float32)
     if isinstance(suffix, str):
         q = suffix_weights(suffix, k_B, K)
@@ -196,7 +222,7 @@ def regret_prefix_reference(mismatch, regret, budget_left, *, gate=0.25, block_c
 
 
 def regret_prefix(mismatch, regret, budget_left, *, gate=0.25, block_cap=2, suffix="count",
-                  num_draft=None, loose_mask=None, impl=None, interpret=None) -> RegretPrefix:
+                  num_draft=None, loose_mask=None, impl=None, interpret=None, backend=None) -> RegretPrefix:
     """Accepted length and budget spent of the ASD loop of docs/rules.md, for rows [..., K].
 
     mismatch: bool [..., K], `not ex[i]`. regret: float [..., K], r[i] = max L[i] - L[i][d[i]].
@@ -205,15 +231,15 @@ def regret_prefix(mismatch, regret, budget_left, *, gate=0.25, block_cap=2, suff
     float weights [..., K]. num_draft: None (K) or int [...] / scalar, clipped to [0, K].
     loose_mask: None or bool [..., K]; a mismatch where it is False is refused before it
     is charged, like a strict one (another rule's veto, e.g. FLy's entropy gate).
-    impl / interpret: see `specjax.pallas._dispatch`.
+    impl / interpret / backend: see `specjax.pallas._dispatch`.
     """
     lead, args = _prepare(mismatch, regret, budget_left, gate, block_cap, suffix, num_draft,
                           loose_mask)
-    if _dispatch.resolve_impl(impl) == "reference" or args[0].shape[0] == 0:
+    if _dispatch.resolve_impl(impl, backend) == "reference" or args[0].shape[0] == 0:
         return _finish(lead, args[3], *_regret_prefix_scan(*args))
-    interpret = _dispatch.resolve_interpret(interpret)
-    variant = _dispatch.resolve_variant(None)
-    _dispatch.check_compiled_variant(variant, interpret)
+    interpret = _dispatch.resolve_interpret(interpret, backend)
+    variant = _dispatch.resolve_variant(None, backend)
+    _dispatch.check_compiled_variant(variant, interpret, backend)
     out = _dispatch.run_kernel(functools.partial(_regret_prefix_kernel, interpret=interpret, variant=variant),
-                               *args)
+                               *args, backend=backend)
     return _finish(lead, args[3], *out)

@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from specjax.backend import Backend
 from specjax.pallas import _dispatch, _online
 from specjax.pallas._online import GatePartials, GateStats
 from specjax.pallas.gate_stats import check_inputs, gate_partials
@@ -78,16 +79,18 @@ def _unpack(a) -> GatePartials:
 
 def gate_stats_sharded(logits, tokens=None, *, mesh: Mesh, vocab_axis, row_axis=None,
                        impl=None, interpret=None, variant=None, block_v=None,
-                       block_n=None, num_splits=None) -> GateStats:
+                       block_n=None, num_splits=None, backend=None, checked=False) -> GateStats:
     """`gate_stats` of logits [..., V] sharded over V on `mesh` axis `vocab_axis`.
 
     V must divide evenly over `vocab_axis`. row_axis: mesh axis (or axes) the flattened
     rows are sharded on (None: rows replicated); M must divide evenly over it. The
     result is sharded over `row_axis` and replicated over `vocab_axis`. impl: None
     (kernel on GPU/TPU, jnp partials on CPU), "kernel" or "reference"; the other
-    options are those of `gate_stats`.
+    options are those of `gate_stats` (backend: its pallas impl and platform; checked: the caller
+    validated the inputs).
     """
-    check_inputs(logits, tokens)
+    if not checked:
+        check_inputs(logits, tokens)
     *lead, V = logits.shape
     lead = tuple(lead)
     M = int(np.prod(lead, dtype=np.int64))
@@ -99,7 +102,8 @@ def gate_stats_sharded(logits, tokens=None, *, mesh: Mesh, vocab_axis, row_axis=
         row_shards = _axis_size(mesh, row_axis)
         if M % row_shards:
             raise ValueError(f"{M} rows do not divide over mesh axis {row_axis!r} of size {row_shards}")
-    impl = _dispatch.resolve_impl(impl)
+    impl = _dispatch.resolve_impl(impl, backend)
+    platform = None if backend is None else backend.platform
     if tokens is None:
         tokens = jnp.full(lead, -1, jnp.int32)
         has_tokens = False
@@ -107,14 +111,14 @@ def gate_stats_sharded(logits, tokens=None, *, mesh: Mesh, vocab_axis, row_axis=
         has_tokens = True
     return _sharded(logits, tokens, mesh=mesh, vocab_axis=vocab_axis, row_axis=row_axis,
                     has_tokens=has_tokens, impl=impl, interpret=interpret, variant=variant,
-                    block_v=block_v, block_n=block_n, num_splits=num_splits)
+                    block_v=block_v, block_n=block_n, num_splits=num_splits, platform=platform)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "mesh", "vocab_axis", "row_axis", "has_tokens", "impl", "interpret", "variant",
-    "block_v", "block_n", "num_splits"))
+    "block_v", "block_n", "num_splits", "platform"))
 def _sharded(logits, tokens, *, mesh, vocab_axis, row_axis, has_tokens, impl, interpret,
-             variant, block_v, block_n, num_splits):
+             variant, block_v, block_n, num_splits, platform):
     *lead, V = logits.shape
     M = math.prod(lead)
     x = jnp.reshape(logits, (M, V))
@@ -125,8 +129,10 @@ def _sharded(logits, tokens, *, mesh, vocab_axis, row_axis, has_tokens, impl, in
         offset = lax.axis_index(vocab_axis) * v_local
         # A token outside this shard maps outside [0, v_local) and contributes 0.
         tok_local = jnp.where(tok_n >= 0, tok_n - offset, -1)
+        # inside the shard_map the kernel is not wrapped again: only the platform carries over
         p = gate_partials(x_nxv, tok_local, impl=impl, interpret=interpret, variant=variant,
-                          block_v=block_v, block_n=block_n, num_splits=num_splits)
+                          block_v=block_v, block_n=block_n, num_splits=num_splits,
+                          backend=None if platform is None else Backend(platform=platform))
         p = p._replace(argmax=p.argmax + offset)
         # [Y, n, 8] in vocabulary order, the same (invariant) on every device of the axis
         gathered = lax.all_gather(_pack(p), vocab_axis, to="invarying")

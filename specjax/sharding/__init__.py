@@ -11,7 +11,7 @@ and refuses a table that would put one mesh axis on two dimensions of one
 array. `plan_model` adapts the table to a model: the attention is tensor-
 parallel where both the query heads H and the KV heads G divide the model axis
 TP. Where TP is wider than G (Llama-3.1-70B's 8 KV heads on 16 chips),
-`prepare_models` repeats each KV head for the chips whose query heads read it
+`prepare_model` repeats each KV head for the chips whose query heads read it
 (`repeat_kv_heads`, wide tensor parallelism: H/TP query heads and one KV head
 per chip; `attention="auto"` or `"repeat_kv"`, docs/wide_tp.md). Where neither
 works (SmolLM2's 9/3 heads on 2, 4 or 8) `"auto"` replicates the attention
@@ -48,11 +48,11 @@ from specjax.sharding._memory import bytes_per_device, max_bytes_per_device, mem
 from specjax.sharding._pad import pad_heads, padded_counts, repeat_kv_heads, repeated_kv_heads
 from specjax.sharding._rules import ATTENTION, CACHE_AXES, DRAFT, LOGITS_AXES, MESH_AXES, PARAM_AXES, ROWS_AXES
 from specjax.sharding._rules import MeshConfig, ModelPlan, ShardingRules
-from specjax.sharding._rules import auto_mesh, fit_spec, param_specs, plan_model, prepare_models
+from specjax.sharding._rules import auto_mesh, fit_spec, needs_preparing, param_specs, plan_model, prepare_model
 
 __all__ = [
     "ATTENTION", "CACHE_AXES", "DRAFT", "LOGITS_AXES", "MESH_AXES", "PARAM_AXES", "ROWS_AXES",
     "Layout", "MeshConfig", "ModelPlan", "ShardingRules", "auto_mesh", "bytes_per_device", "describe",
     "fit_spec", "make_layout", "max_bytes_per_device", "memory_report", "pad_heads", "padded_counts",
-    "param_specs", "place", "plan_model", "prepare_models", "repeat_kv_heads", "repeated_kv_heads",
+    "param_specs", "place", "needs_preparing", "plan_model", "prepare_model", "repeat_kv_heads", "repeated_kv_heads",
 ]

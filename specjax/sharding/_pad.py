@@ -31,6 +31,7 @@ leaves: the shapes change, nothing is allocated).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,9 @@ import numpy as np
 
 from specjax.models import quant
 from specjax.models.config import Config
-from specjax.models.model import Model
+
+if TYPE_CHECKING:  # only named: sharding sits below the loader (tests/test_layering.py)
+    from specjax.models.model import Model
 
 
 def padded_counts(config: Config, model_axis: int) -> tuple[int, int]:

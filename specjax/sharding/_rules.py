@@ -148,25 +148,10 @@ class MeshConfig:
         return config
 
 
-def prepare_models(mesh_config: MeshConfig, target, draft):
-    """(target, draft) as the engine runs them: with padded heads under attention="pad", with
-    repeated KV heads under "repeat_kv" (and under "auto" where that places the attention).
-
-    draft: anything `Engine` accepts; a Model (alone or in ("pld", Model)) is prepared too
-    unless it is replicated. Raises ValueError, before anything compiles, for heads that
-    attention="repeat_kv" cannot place.
-    """
-    from specjax.models.model import Model
-
-    if mesh_config.attention in ("auto", "replicate") and not _wide(mesh_config):
-        return target, draft
-    target = _prepare(mesh_config, target, "target")
-    if mesh_config.draft == "shard":
-        if isinstance(draft, Model):
-            draft = _prepare(mesh_config, draft, "draft")
-        elif isinstance(draft, tuple) and len(draft) == 2 and isinstance(draft[1], Model):
-            draft = (draft[0], _prepare(mesh_config, draft[1], "draft"))
-    return target, draft
+def needs_preparing(mesh_config: MeshConfig) -> bool:
+    """Whether `prepare_model` may change a model: padded heads under attention="pad", repeated KV
+    heads under "repeat_kv" (and under "auto" where that places the attention)."""
+    return not (mesh_config.attention in ("auto", "replicate") and not _wide(mesh_config))
 
 
 def _wide(mesh_config: MeshConfig) -> bool:
@@ -176,7 +161,9 @@ def _wide(mesh_config: MeshConfig) -> bool:
             and rules.mesh_axes("heads") == rules.mesh_axes("kv_heads"))
 
 
-def _prepare(mesh_config: MeshConfig, model, what: str):
+def prepare_model(mesh_config: MeshConfig, model, what: str):
+    """`model` as the engine runs it on this mesh (see `needs_preparing`); `what` names it in errors.
+    Raises ValueError, before anything compiles, for heads that attention="repeat_kv" cannot place."""
     from specjax.sharding._pad import pad_heads, repeat_kv_heads, repeated_kv_heads
 
     mesh, rules = mesh_config.mesh, mesh_config.rules
@@ -252,9 +239,9 @@ def plan_model(config: Config, mesh: Mesh, rules: ShardingRules = ShardingRules(
     elif attention == "pad" and not (H % nh or G % ng):
         notes.append(f"{what}: attention sharded over {H} heads / {G} kv heads (zero heads padded where needed)")
     elif H % nh or G % ng:
-        if attention == "repeat_kv":  # prepare_models repeats them; a config it did not prepare is refused
+        if attention == "repeat_kv":  # prepare_model repeats them; a config it did not prepare is refused
             raise ValueError(f"{what}: attention='repeat_kv' but {H} heads / {G} KV heads do not divide the model "
-                             f"axis ({nh}): its KV heads must be repeated first (sharding.prepare_models, which Engine applies; "
+                             f"axis ({nh}): its KV heads must be repeated first (sharding.prepare_model, which Engine applies; "
                              "models.load(mesh=) loads per shard without repeating them: use attention='auto' there)")
         changes.update(heads=None, kv_heads=None)
         notes.append(f"{what}: {H} heads / {G} kv heads do not divide the model axis ({nh}/{ng}): "

@@ -4,12 +4,13 @@ Each rule verifies one sequence (draft_tokens int[K], target_logits [K+1, V]);
 jax.vmap gives the batch. The rule objects (`Greedy()`, `Fly(theta=0.2)`, ...) hold a
 rule's options and state and verify a batch; the engine takes them as its method.
 Every rule reads the logits through `row_stats`, which takes its statistics from
-`specjax.pallas` (fused kernels on GPU/TPU; `use_vocab_sharding` for logits
-sharded over the vocabulary on a mesh).
+`specjax.pallas` (fused kernels on GPU/TPU). Every rule takes `backend=None`: a
+`specjax.backend.Backend`, e.g. `Backend(vocab_sharding=VocabSharding(mesh))` for logits
+sharded over the vocabulary on a mesh.
 """
 
 from specjax.verify._asd import asd
-from specjax.verify._common import RowStats, Verdict, VocabSharding, row_stats, use_vocab_sharding
+from specjax.verify._common import RowStats, Verdict, VocabSharding, row_stats
 from specjax.verify._csd import csd, csd_batch
 from specjax.verify._csd_memory import (CSDMemory, check_vocab as check_csd_vocab, csd_count, csd_memory,
                                        is_saved_memory, load_csd_memory, save_csd_memory)
@@ -52,5 +53,4 @@ __all__ = [
     "save_csd_memory",
     "speculative_sampling",
     "typical",
-    "use_vocab_sharding",
 ]

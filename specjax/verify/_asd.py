@@ -14,59 +14,29 @@ The rule, per sequence (docs/rules.md, "asd"):
         n = i + 1
     budget_left' = budget_left - R
 
-`position` below is one step of that loop, written once for a vector of rows; the
-Pallas kernel (`specjax.pallas.regret_prefix`, GPU/TPU) and its `lax.scan`
-reference (CPU) both run it, in the loop's order of float32 additions, so the
+`pallas.regret_prefix.position` is one step of that loop, written once for a vector of
+rows with these names; the Pallas kernel (GPU/TPU) and its `lax.scan` reference (CPU)
+both run it, in the loop's order of float32 additions, so the
 ledger is the loop's sum bit for bit. `asd` reads the logits once (`row_stats`)
 for the exact flags and the regrets and hands them to that selection.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from specjax import pallas
+from specjax.pallas.regret_prefix import MATCH, MISMATCH, VETOED, Scan, position, start  # noqa: F401
 from specjax.verify import _common
 from specjax.verify._common import Verdict
 
+# The loop's step (`position`), its state (`Scan`) and the per-position codes live with the
+# selection that runs it (`specjax.pallas.regret_prefix`): the kernel below the rules cannot
+# import them from here.
 SUFFIXES = ("count", "fraction")
-
-# Per-position codes of the selection's input: an exact match, a mismatch, or a mismatch
-# another rule vetoes before it is charged (loose_mask False, e.g. FLy's entropy gate).
-MATCH, MISMATCH, VETOED = 0, 1, 2
-
-
-class Scan(NamedTuple):
-    """The loop's variables for a vector of rows (int32 / float32 only: Mosaic has no bool vectors)."""
-
-    live: jax.Array  # 1 while the row is still scanning, else 0
-    n: jax.Array  # accepted prefix length
-    spent: jax.Array  # R: regret charged so far (float32)
-    c: jax.Array  # mismatches charged so far (float32, compared with m)
-    loose: jax.Array  # mismatches accepted
-
-
-def start(shape) -> Scan:
-    return Scan(jnp.ones(shape, jnp.int32), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32),
-                jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32))
-
-
-def position(i, s: Scan, code, r, q, budget_left, g, m, k, strict) -> Scan:
-    """Position i of the loop for every row: code (MATCH / MISMATCH / VETOED), regret r,
-    suffix weight q, budget_left, gate g, cap m, num_draft k, strict = g <= 0 or m <= 0."""
-    mismatch = code != MATCH
-    scanning = (s.live != 0) & (i < k)  # padding past num_draft is never accepted
-    R_prev, R = s.spent, s.spent + r
-    c = s.c + 1.0
-    refused = (strict | (code == VETOED) | (r / q > g) | (c > m)
-               | jnp.logical_not((R_prev < budget_left) & (R <= budget_left)))
-    loose = scanning & mismatch & jnp.logical_not(refused)  # a loosely accepted mismatch
-    scanning = scanning & jnp.logical_not(mismatch & refused)  # break
-    return Scan(live=jnp.where(scanning, 1, 0), n=jnp.where(scanning, i + 1, s.n), spent=jnp.where(loose, R, s.spent),
-                c=jnp.where(loose, c, s.c), loose=jnp.where(loose, s.loose + 1, s.loose))
 
 
 def check_options(fn: str, *, gate, block_cap, suffix, temperature=0.0) -> None:
@@ -79,7 +49,7 @@ def check_options(fn: str, *, gate, block_cap, suffix, temperature=0.0) -> None:
 
 
 def asd(draft_tokens, target_logits, budget_left, *, gate=0.25, block_cap=2, suffix="count",
-        num_draft=None, loose_mask=None, temperature=0.0) -> tuple[Verdict, jax.Array]:
+        num_draft=None, loose_mask=None, temperature=0.0, backend=None) -> tuple[Verdict, jax.Array]:
     """ASD verification of one sequence against its ledger; returns (Verdict, budget_left').
 
     draft_tokens int[K], target_logits float[K+1, V], budget_left float32[].
@@ -92,13 +62,44 @@ def asd(draft_tokens, target_logits, budget_left, *, gate=0.25, block_cap=2, suf
     d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
     K = d_K.shape[0]
     budget = jnp.asarray(budget_left, jnp.float32)
-    stats = _common.row_stats(L_RV, _common.padded(d_K))
+    stats = _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True)
     ex_K = _common.exact_flags(d_K, stats.argmax, k)
     mis_K = _common.valid_mask(K, k) & ~ex_K
     # Logit regret of the mismatches only, so that padding (maybe nan) never
     # reaches the ledger.
     r_K = jnp.where(mis_K, stats.max[:K] - stats.logit_at[:K], 0.0)
     sel = pallas.regret_prefix(mis_K, r_K, budget, gate=gate, block_cap=block_cap, suffix=suffix, num_draft=k,
-                               loose_mask=_common.check_loose_mask(fn, loose_mask, K))
+                               loose_mask=_common.check_loose_mask(fn, loose_mask, K), backend=backend)
     n = sel.num_accepted
     return Verdict(n, stats.argmax[n], sel.num_loose), sel.budget_left
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Asd(_common.Rule, name="asd"):
+    """ASD: mismatches paid from a per-request regret budget (the state: one ledger per row)."""
+    budget: float = _common.option(8.0, "asd: request-level regret budget")
+    gate: float = _common.option(0.25, "asd: per-mismatch regret gate g")
+    block_cap: int = _common.option(2, "asd: loose mismatches per block m")
+    suffix: str = _common.option("count", "asd: suffix weight", SUFFIXES)
+    theta: float | None = _common.option(None, "entropy gate on loose acceptance (unset: off)")
+    entropy: str = _common.option("normalized", "entropy kind of the gate", _common.ENTROPIES)
+
+    def check(self, fn):
+        check_options(fn, gate=self.gate, block_cap=self.block_cap, suffix=self.suffix)
+        _common.check_number(fn, "budget", self.budget)
+        if self.budget < 0:
+            raise ValueError(f"{fn}: budget must be >= 0, got {self.budget}")
+        _common.check_gate(fn, self.theta, self.entropy)
+
+    def init_state(self, batch_size):
+        return jnp.full((batch_size,), self.budget, jnp.float32)
+
+    def _step(self, ledger_B, rnd):
+        def row(d, L, budget_left, k, mask):
+            return asd(d, L, budget_left, gate=self.gate, block_cap=self.block_cap, suffix=self.suffix,
+                       num_draft=k, loose_mask=mask, backend=rnd.backend)
+
+        mask_BK = _common.entropy_gate_BK(self.theta, self.entropy, rnd)
+        verdict, left_B = _common.vmap(row, rnd.backend)(rnd.d_BK, rnd.L_BRV, ledger_B, rnd.k_B, mask_BK)
+        left_B = jnp.where(rnd.active_B, left_B, ledger_B)
+        return verdict, left_B, ledger_B - left_B

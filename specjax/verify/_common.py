@@ -2,24 +2,29 @@
 
 `row_stats` is the one place where rules read the logits: it takes every
 per-row statistic from `specjax.pallas.gate_stats` (the fused kernel on GPU/TPU,
-its jnp reference on CPU; `SPECJAX_PALLAS` / `pallas.set_impl` choose), or from
-`pallas.gate_stats_sharded` inside `use_vocab_sharding`, so each rule keeps the
-rest of its arithmetic on K-sized vectors.
+its jnp reference on CPU; `Backend.pallas` / `SPECJAX_PALLAS` choose), or from
+`pallas.gate_stats_sharded` when the backend has a `vocab_sharding`, so each rule
+keeps the rest of its arithmetic on K-sized vectors. Every rule takes `backend=None`
+(`specjax.backend.Backend`) and hands it here.
+
+Also here: `Rule`, the base of the rule objects (a rule's options and state, for a
+batch of rows; each rule's class sits on its own page beside its per-sequence
+function), and FLy's entropy gate, which Asd and Csd compose with.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 import numbers
-from typing import NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from specjax import pallas
+from specjax import backend as _backend, pallas
+from specjax.backend import VocabSharding  # noqa: F401  (re-exported by specjax.verify)
+from specjax.pallas._online import MAX_VOCAB
 
 ENTROPIES = ("normalized", "top3")
 
@@ -54,72 +59,13 @@ class RowStats(NamedTuple):
     logit_at: jax.Array  # f32[R], logits_RV[r, tokens_R[r]]; NaN for a token outside [0, V)
 
 
-@dataclasses.dataclass(frozen=True)
-class VocabSharding:
-    """Target logits sharded over the vocabulary on `mesh` axis (or axes) `vocab_axis`.
-
-    Each device then reduces its slice of V and the devices exchange 8 floats per
-    row (`pallas.gate_stats_sharded`); no device gathers whole rows of logits.
-    batch_axis: the mesh axis (or axes) the batch of rows is sharded on (e.g. "data"), passed
-    to the rules' vmaps as `spmd_axis_name` so rows stay on their devices;
-    it needs Auto mesh axes. With None (the default) the batch is replicated
-    across the other mesh axes for the statistics (correct, more traffic).
-    """
-
-    mesh: jax.sharding.Mesh
-    vocab_axis: str | tuple[str, ...] = "model"
-    batch_axis: str | tuple[str, ...] | None = None
-
-    def __post_init__(self):
-        names = {}
-        for field in ("vocab_axis", "batch_axis"):
-            axes = getattr(self, field)
-            names[field] = set(axes if isinstance(axes, tuple) else () if axes is None else (axes,))
-            for axis in names[field]:
-                if axis not in self.mesh.axis_names:
-                    raise ValueError(f"VocabSharding: {field} {axis!r} is not an axis of the mesh "
-                                     f"{self.mesh.axis_names}")
-        if not names["vocab_axis"]:
-            raise ValueError("VocabSharding: vocab_axis names no mesh axis")
-        if shared := names["vocab_axis"] & names["batch_axis"]:
-            raise ValueError(f"VocabSharding: batch_axis and vocab_axis share {sorted(shared)}")
-        if names["batch_axis"] and jax.sharding.AxisType.Explicit in self.mesh.axis_types:
-            raise ValueError("VocabSharding: batch_axis needs a mesh with Auto axis types (jax.make_mesh(..., "
-                             "axis_types=(AxisType.Auto,) * n)); on Explicit axes leave batch_axis=None")
-
-
-_VOCAB_SHARDING: contextvars.ContextVar[VocabSharding | None] = contextvars.ContextVar(
-    "specjax_verify_vocab_sharding", default=None)
-
-
-@contextlib.contextmanager
-def use_vocab_sharding(sharding: VocabSharding | None):
-    """Within this context `row_stats`, so every rule, reads vocabulary-sharded logits
-    through `pallas.gate_stats_sharded` (V must divide over the vocab axis).
-
-        with verify.use_vocab_sharding(verify.VocabSharding(mesh, "model")):
-            verdict = jax.jit(jax.vmap(verify.fly))(drafts_BK, logits_BKV)
-
-    Like `pallas.set_impl`, it acts when a function is traced: enter it around the
-    first call of a jitted function (the engine's program does this on a mesh).
-    None: the plain, unsharded statistics.
-    """
-    if sharding is not None and not isinstance(sharding, VocabSharding):
-        raise ValueError(f"use_vocab_sharding: expected a VocabSharding or None, got {sharding!r}")
-    token = _VOCAB_SHARDING.set(sharding)
-    try:
-        yield sharding
-    finally:
-        _VOCAB_SHARDING.reset(token)
-
-
-def vmap(fn):
-    """jax.vmap over a batch of rows; inside `use_vocab_sharding`, rows sharded on its batch axis.
+def vmap(fn, backend=None):
+    """jax.vmap over a batch of rows; with `backend.vocab_sharding`, rows sharded on its batch axis.
 
     On a mesh with Explicit axes, vmap needs every mapped argument's leading axis
     sharded alike: they are placed replicated there (the other axes keep theirs).
     """
-    sharding = _VOCAB_SHARDING.get()
+    sharding = None if backend is None else backend.vocab_sharding
     if sharding is None:
         return jax.vmap(fn)
     batched = jax.vmap(fn, spmd_axis_name=sharding.batch_axis)
@@ -136,22 +82,27 @@ def vmap(fn):
     return lambda *args: batched(*jax.tree.map(place, args))
 
 
-def row_stats(logits_RV: jax.Array, tokens_R: jax.Array) -> RowStats:
+def row_stats(logits_RV: jax.Array, tokens_R: jax.Array, backend=None, *, checked: bool = False) -> RowStats:
     """Per-row statistics in float32, from `specjax.pallas.gate_stats` (one read of the logits).
 
     logits_RV: float32 or bfloat16 (other floats are cast to float32); tokens_R: int[R].
     Rows need at least one finite logit; -inf logits are legal: they get p = 0 and
     take no part in the entropies. A token outside [0, V) gets logit_at = NaN, so a
     rule never accepts it loosely; rules mask padding past num_draft themselves.
+    backend: a `specjax.backend.Backend` (the Pallas choice, and `vocab_sharding` for logits
+    sharded over the vocabulary), None: the plain one. checked: the logits passed `check_inputs`
+    (every rule's do), so the kernel does not check their shape again.
     """
     if logits_RV.dtype not in (jnp.float32, jnp.bfloat16):
         logits_RV = logits_RV.astype(jnp.float32)
     tokens_R = tokens_R.astype(jnp.int32)
-    sharding = _VOCAB_SHARDING.get()
+    backend = _backend.of(backend)
+    sharding = backend.vocab_sharding
     if sharding is None:
-        g = pallas.gate_stats(logits_RV, tokens_R)
+        g = pallas.gate_stats(logits_RV, tokens_R, backend=backend, checked=checked)
     else:
-        g = pallas.gate_stats_sharded(logits_RV, tokens_R, mesh=sharding.mesh, vocab_axis=sharding.vocab_axis)
+        g = pallas.gate_stats_sharded(logits_RV, tokens_R, mesh=sharding.mesh, vocab_axis=sharding.vocab_axis,
+                                      backend=backend, checked=checked)
     # Invalid rows (a NaN, +inf, or no finite logit) have no argmax: -1, never a draft token, so no rule
     # accepts at that position and a next token read there is -1 (NAN_POLICY).
     valid_R = jnp.isfinite(g.max_logit) & ~jnp.isnan(g.lse)
@@ -227,6 +178,8 @@ def check_inputs(fn: str, draft_tokens, target_logits, num_draft):
         raise ValueError(f"{fn}: target_logits has {L_RV.shape[0]} rows, expected K+1 = {K + 1} for K = {K} drafts")
     if L_RV.shape[1] == 0:
         raise ValueError(f"{fn}: target_logits has an empty vocabulary")
+    if L_RV.shape[1] >= MAX_VOCAB:  # the kernels' limit (`row_stats` does not check again)
+        raise ValueError(f"{fn}: vocabulary size {L_RV.shape[1]} is too large: V must be < {MAX_VOCAB}")
     if L_RV.dtype not in (jnp.float32, jnp.bfloat16):
         L_RV = L_RV.astype(jnp.float32)
     return d_K.astype(jnp.int32), L_RV, num_draft_scalar(fn, num_draft, K)
@@ -303,3 +256,151 @@ def accepted_count(acc_K: jax.Array) -> jax.Array:
 def count_before(flags_K: jax.Array, n: jax.Array) -> jax.Array:
     """#{i < n : flags[i]}."""
     return jnp.sum(flags_K & (jnp.arange(flags_K.shape[0]) < n)).astype(jnp.int32)
+
+
+# --- rule objects: the base every rule's class extends ---
+
+
+class RoundCounts(NamedTuple):
+    """Per-row counts of one verify call (0 on inactive rows), for the statistics."""
+
+    num_loose_B: jax.Array  # int32[B]: mismatches accepted loosely
+    examined_B: jax.Array  # int32[B]: those plus the mismatch that stopped the round, if any
+    spent_B: jax.Array  # float32[B]: ASD ledger charged
+
+
+class Round(NamedTuple):
+    """One verify call's batched inputs, as every rule's `_step` receives them."""
+
+    d_BK: jax.Array  # int32[B, K]
+    L_BRV: jax.Array  # float[B, R, V], R = K + 1
+    k_B: jax.Array  # int32[B]: real drafts per row
+    keys_B: Any  # PRNG keys [B], or None at temperature 0
+    active_B: jax.Array  # bool[B]
+    q_BKV: Any  # float[B, K, V] draft probabilities, or None (point mass)
+    temperature: float
+    backend: Any = None  # specjax.backend.Backend (None: plain), handed to the per-sequence functions
+
+
+def option(default, help_text: str, choices: tuple | None = None):
+    """An option: its help text (and choices) feed the experiment binaries' flags."""
+    return dataclasses.field(default=default, metadata={"help": help_text, "choices": choices})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rule:
+    """Base of the rule objects: options as fields, checked at construction."""
+
+    name: ClassVar[str]  # the method name
+    sampling: ClassVar[bool] = False  # defined at temperature > 0
+
+    def __init_subclass__(cls, *, name: str, sampling: bool = False, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.name, cls.sampling = name, sampling
+
+    def __post_init__(self):
+        fn = type(self).__name__
+        for name, value in self.options().items():
+            try:
+                hash(value)
+            except TypeError:
+                raise ValueError(f"{fn}: option {name}={value!r} must be a static, hashable value "
+                                 "(a Python number or string)") from None
+        self.check(fn)
+
+    def check(self, fn: str) -> None:
+        """Raises ValueError naming a bad option."""
+
+    def check_temperature(self, temperature) -> float:
+        fn = type(self).__name__
+        temperature = check_temperature(fn, temperature)
+        if temperature > 0 and not self.sampling:
+            hint = "; at T > 0 lossless verification is verify.Sampling()" if self.name == "greedy" else ""
+            raise ValueError(f"{fn}: method {self.name!r} is a temperature-0 rule; got temperature={temperature}"
+                             f"{hint}")
+        return temperature
+
+    def init_state(self, batch_size: int) -> Any:
+        """The rule's state for a fresh batch of `batch_size` rows."""
+        return ()
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __call__(self, state, draft_tokens_BK, target_logits_BRV, *, num_draft_B=None, key=None, active_B=None,
+                 draft_probs_BKV=None, temperature: float = 0.0, backend=None) -> tuple[Verdict, Any, RoundCounts]:
+        """Verifies a batch; returns (Verdict of [B] arrays, new state, RoundCounts).
+
+        key is split per row and used only at temperature > 0. backend: a
+        `specjax.backend.Backend` (the engine's program passes its own), None: plain.
+        """
+        fn = f"{type(self).__name__}()"
+        temperature = self.check_temperature(temperature)
+        d_BK, L_BRV = jnp.asarray(draft_tokens_BK), jnp.asarray(target_logits_BRV)
+        if d_BK.ndim != 2:
+            raise ValueError(f"{fn}: draft_tokens must be [B, K], got {list(d_BK.shape)}")
+        B, K = d_BK.shape
+        if L_BRV.ndim != 3 or L_BRV.shape[:2] != (B, K + 1):
+            raise ValueError(f"{fn}: target_logits must be [B, K+1, V] = [{B}, {K + 1}, V], got {list(L_BRV.shape)}")
+        k_B = per_row(fn, "num_draft", K if num_draft_B is None else num_draft_B, B, jnp.int32)
+        active_B = per_row(fn, "active", True if active_B is None else active_B, B, bool)
+        q_BKV = None
+        if draft_probs_BKV is not None:
+            q_BKV = jnp.asarray(draft_probs_BKV)
+            if q_BKV.shape != (B, K, L_BRV.shape[2]):
+                raise ValueError(f"{fn}: draft_probs must be [B, K, V] = {[B, K, L_BRV.shape[2]]} "
+                                 f"(vocabulary of the target), got {list(q_BKV.shape)}")
+        keys_B = jax.random.split(check_key(fn, key), B) if temperature > 0 else None
+        verdict, state, spent_B = self._step(state, Round(d_BK, L_BRV, k_B, keys_B, active_B, q_BKV, temperature,
+                                                         _backend.of(backend)))
+        stopped_B = verdict.num_accepted < k_B  # the round ended on a rejected draft
+        counts = RoundCounts(jnp.where(active_B, verdict.num_loose, 0),
+                             jnp.where(active_B, verdict.num_loose + stopped_B.astype(jnp.int32), 0),
+                             jnp.where(active_B, spent_B, 0.0))
+        return verdict, state, counts
+
+    def _step(self, state, rnd: Round) -> tuple[Verdict, Any, jax.Array]:
+        """(verdict_B, new state, ledger charged f32[B]); a stateless rule verifies row by row."""
+        def row(d_K, L_RV, key, q_KV, k):
+            return self._row(d_K, L_RV, key, q_KV, k, rnd.temperature, rnd.backend)
+
+        verdict = vmap(row, rnd.backend)(rnd.d_BK, rnd.L_BRV, rnd.keys_B, rnd.q_BKV, rnd.k_B)
+        return verdict, state, jnp.zeros(verdict.num_accepted.shape, jnp.float32)
+
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend) -> Verdict:
+        """One sequence: the rule's per-sequence function (stateless rules)."""
+        raise NotImplementedError
+
+
+def per_row(fn, name, value, B, dtype):
+    x = jnp.asarray(value)
+    if x.shape not in ((), (B,)):
+        raise ValueError(f"{fn}: {name} must be a scalar or [B] = [{B}], got {list(x.shape)}")
+    return jnp.broadcast_to(x.astype(dtype), (B,))
+
+
+# --- FLy's entropy gate, which Asd and Csd compose with ---
+
+
+def entropy_gate(h_K, theta, rule: str = "paper") -> jax.Array:
+    """gate[j] = h[j] >= theta; switched off at theta <= 0 (paper) or <= 0.01 (reference)."""
+    off = theta <= (0.0 if rule == "paper" else 0.01)
+    return off | (h_K >= theta)
+
+
+def check_gate(fn, theta, entropy):
+    if theta is not None:
+        check_number(fn, "theta", theta)
+    check_choice(fn, "entropy", entropy, ENTROPIES)
+
+
+def entropy_gate_BK(theta, entropy, rnd: Round):
+    """FLy's gate h[i] >= theta as a loose_mask, or None when theta is unset."""
+    if theta is None:
+        return None
+
+    def row(d_K, L_RV):
+        h_R = entropy_of(row_stats(L_RV, padded(d_K), rnd.backend), entropy)
+        return entropy_gate(h_R[:-1], theta)
+
+    return vmap(row, rnd.backend)(rnd.d_BK, rnd.L_BRV)

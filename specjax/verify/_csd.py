@@ -9,6 +9,9 @@ scatter-add. Temperature 0 only.
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
+
 import jax.numpy as jnp
 
 from specjax.verify import _common, _csd_memory
@@ -27,12 +30,12 @@ def check_options(fn: str, *, min_count, tau, update, temperature=0.0) -> None:
         raise ValueError(f"{fn}: CSD is a temperature-0 rule; got temperature={temperature}")
 
 
-def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau):
+def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau, backend=None):
     """One sequence against the start-of-round table: (Verdict, pairs int32[K, 2], reached bool[K])."""
     d_K, L_RV, k = _common.check_inputs(fn, d_K, L_RV, k)
     K = d_K.shape[0]
     allowed_K = _common.check_loose_mask(fn, loose_mask, K)
-    stats = _common.row_stats(L_RV, _common.padded(d_K))
+    stats = _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True)
     t_K = stats.argmax[:K]
     ex_K = _common.exact_flags(d_K, stats.argmax, k)
     mis_K = _common.valid_mask(K, k) & ~ex_K
@@ -48,7 +51,7 @@ def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau):
 
 
 def csd(draft_tokens, target_logits, memory: CSDMemory, *, min_count=6, tau=0.01, update=True,
-        num_draft=None, loose_mask=None, temperature=0.0) -> tuple[Verdict, CSDMemory]:
+        num_draft=None, loose_mask=None, temperature=0.0, backend=None) -> tuple[Verdict, CSDMemory]:
     """CSD verification of one sequence; returns (Verdict, memory with this round's increments).
 
     draft_tokens int[K], target_logits float[K+1, V]. loose_mask bool[K]
@@ -58,14 +61,15 @@ def csd(draft_tokens, target_logits, memory: CSDMemory, *, min_count=6, tau=0.01
     check_options(fn, min_count=min_count, tau=tau, update=update, temperature=temperature)
     _csd_memory.check_memory(fn, memory)
     verdict, pairs_K2, reached_K = _decide(fn, draft_tokens, target_logits, memory, num_draft, loose_mask,
-                                           min_count=min_count, tau=tau)
+                                           min_count=min_count, tau=tau, backend=backend)
     if update:
         memory = _csd_memory.add(memory, pairs_K2, reached_K)
     return verdict, memory
 
 
 def csd_batch(draft_tokens_BK, target_logits_BKV, memory: CSDMemory, *, min_count=6, tau=0.01, update=True,
-              num_draft=None, active=None, loose_mask=None, temperature=0.0) -> tuple[Verdict, CSDMemory]:
+              num_draft=None, active=None, loose_mask=None, temperature=0.0,
+              backend=None) -> tuple[Verdict, CSDMemory]:
     """CSD for a batch sharing one memory: every row reads the start-of-round table.
 
     num_draft int[] or int[B]; active bool[B] (rows that add no increments when
@@ -85,9 +89,9 @@ def csd_batch(draft_tokens_BK, target_logits_BKV, memory: CSDMemory, *, min_coun
     mask_BK = jnp.ones((B, K), bool) if loose_mask is None else jnp.asarray(loose_mask)
 
     def row(d_K, L_RV, k, mask_K):
-        return _decide(fn, d_K, L_RV, memory, k, mask_K, min_count=min_count, tau=tau)
+        return _decide(fn, d_K, L_RV, memory, k, mask_K, min_count=min_count, tau=tau, backend=backend)
 
-    verdict, pairs_BK2, reached_BK = _common.vmap(row)(d_BK, L_BRV, k_B, mask_BK)
+    verdict, pairs_BK2, reached_BK = _common.vmap(row, backend)(d_BK, L_BRV, k_B, mask_BK)
     if update:
         inc_BK = reached_BK & active_B[:, None]
         memory = _csd_memory.add(memory, pairs_BK2.reshape(B * K, 2), inc_BK.reshape(B * K))
@@ -99,3 +103,34 @@ def _batch_arg(fn, name, value, B):
     if x.shape not in ((), (B,)):
         raise ValueError(f"{fn}: {name} must be a scalar or [B] = [{B}], got {list(x.shape)}")
     return x
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Csd(_common.Rule, name="csd"):
+    """CSD: a mismatch passes when the memory has seen the pair often and the target finds it close.
+
+    The memory is the rule's state: `init_state` gives an empty one of `capacity`
+    pairs; a calibrated one is passed as starting state (`Engine.generate(rule_state=)`).
+    """
+    min_count: int = _common.option(6, "csd: memory count a pair must exceed (lambda)")
+    tau: float = _common.option(0.01, "csd: consistency threshold (log-probability gap >= log tau)")
+    update: bool = _common.option(True, "csd: update the memory online")
+    capacity: int = _common.option(1 << 16, "csd: pairs an empty memory holds")
+    theta: float | None = _common.option(None, "entropy gate on loose acceptance (unset: off)")
+    entropy: str = _common.option("normalized", "entropy kind of the gate", _common.ENTROPIES)
+
+    def check(self, fn):
+        check_options(fn, min_count=self.min_count, tau=self.tau, update=self.update)
+        if not isinstance(self.capacity, numbers.Integral) or isinstance(self.capacity, bool) or self.capacity < 1:
+            raise ValueError(f"{fn}: capacity must be an int >= 1, got {self.capacity!r}")
+        _common.check_gate(fn, self.theta, self.entropy)
+
+    def init_state(self, batch_size):
+        return _csd_memory.csd_memory(self.capacity)
+
+    def _step(self, memory, rnd):
+        verdict, memory = csd_batch(rnd.d_BK, rnd.L_BRV, memory, min_count=self.min_count, tau=self.tau,
+                                    update=self.update, num_draft=rnd.k_B, active=rnd.active_B,
+                                    loose_mask=_common.entropy_gate_BK(self.theta, self.entropy, rnd),
+                                    backend=rnd.backend)
+        return verdict, memory, jnp.zeros(verdict.num_accepted.shape, jnp.float32)

@@ -7,6 +7,7 @@ At T > 0 the exact flags are the lossless speculative-sampling accepts.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import jax
@@ -30,10 +31,7 @@ def check_options(fn: str, *, theta, window, entropy, rule) -> None:
     _common.check_number(fn, "theta", theta)
 
 
-def entropy_gate(h_K, theta, rule: str = "paper") -> jax.Array:
-    """gate[j] = h[j] >= theta; switched off at theta <= 0 (paper) or <= 0.01 (reference)."""
-    off = theta <= (0.0 if rule == "paper" else 0.01)
-    return off | (h_K >= theta)
+entropy_gate = _common.entropy_gate  # gate[j] = h[j] >= theta (shared with Asd and Csd: `_common`)
 
 
 def loose_flags(ex_K, h_K, *, theta, window, rule: str, k) -> jax.Array:
@@ -53,25 +51,26 @@ def loose_flags(ex_K, h_K, *, theta, window, rule: str, k) -> jax.Array:
 
 
 def fly(draft_tokens, target_logits, *, theta=0.3, window=6, entropy="normalized", rule="paper",
-        temperature=0.0, draft_probs=None, key=None, num_draft=None) -> Verdict:
+        temperature=0.0, draft_probs=None, key=None, num_draft=None, backend=None) -> Verdict:
     """FLy verification of one sequence: draft_tokens int[K], target_logits float[K+1, V].
 
     At T > 0, ex[i] is "speculative sampling accepts i" (same key use as
     speculative_sampling), entropy is taken on the untempered logits, and
     next_token is the residual sample at n. An accepted mismatch keeps its draft.
+    backend: a `specjax.backend.Backend` (Pallas choice, vocabulary sharding); None: plain.
     """
     fn = "fly"
     check_options(fn, theta=theta, window=window, entropy=entropy, rule=rule)
     temperature = _common.check_temperature(fn, temperature)
     d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
     K = d_K.shape[0]
-    stats = _common.row_stats(L_RV, _common.padded(d_K))
+    stats = _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True)
     if temperature == 0:
         ex_K = _common.exact_flags(d_K, stats.argmax, k)
     else:
         q_KV = _common.check_draft_probs(fn, draft_probs, K, L_RV.shape[1])
         ku, kr = jax.random.split(_common.check_key(fn, key))
-        stats_T = _sampling.tempered_stats(d_K, L_RV, temperature)
+        stats_T = _sampling.tempered_stats(d_K, L_RV, temperature, backend)
         ex_K = _sampling.sampling_flags(ku, d_K, stats_T, q_KV, k)
     h_K = _common.entropy_of(stats, entropy)[:K]
     loose_K = loose_flags(ex_K, h_K, theta=theta, window=window, rule=rule, k=k) & (stats.argmax[:K] >= 0)
@@ -81,3 +80,20 @@ def fly(draft_tokens, target_logits, *, theta=0.3, window=6, entropy="normalized
     else:
         next_token = _sampling.residual_sample(kr, d_K, L_RV, stats_T, q_KV, temperature, n, k)
     return Verdict(n, next_token, _common.count_before(~ex_K, n))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fly(_common.Rule, name="fly", sampling=True):
+    """FLy: a mismatch passes where the target is unsure (entropy gate) and the next W drafts match."""
+    theta: float = _common.option(0.3, "fly: entropy threshold (also gates asd/csd when set)")
+    window: int = _common.option(6, "fly: deferred window W")
+    entropy: str = _common.option("normalized", "fly: entropy kind", _common.ENTROPIES)
+    rule: str = _common.option("paper", "fly: paper | reference (the published code)", RULES)
+
+    def check(self, fn):
+        _common.check_number(fn, "theta", self.theta)
+        check_options(fn, theta=self.theta, window=self.window, entropy=self.entropy, rule=self.rule)
+
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
+        return fly(d_K, L_RV, theta=self.theta, window=self.window, entropy=self.entropy, rule=self.rule,
+                   temperature=temperature, draft_probs=q_KV, key=key, num_draft=k, backend=backend)

@@ -8,6 +8,8 @@ starts with `uniform(ku, (k,))`, so num_draft = k gives exactly the K = k result
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -16,9 +18,9 @@ from specjax.verify import _common, _greedy
 from specjax.verify._common import Verdict
 
 
-def tempered_stats(d_K, L_RV, temperature: float) -> _common.RowStats:
+def tempered_stats(d_K, L_RV, temperature: float, backend=None) -> _common.RowStats:
     """Statistics of (L - max L) / T, so that p[i] = exp(tempered(L[i]) - lse[i]) (`sampling.tempered`)."""
-    return _common.row_stats(sampling.tempered(L_RV, temperature), _common.padded(d_K))
+    return _common.row_stats(sampling.tempered(L_RV, temperature), _common.padded(d_K), backend, checked=True)
 
 
 def sampling_flags(ku, d_K, stats_T, q_KV, k) -> jax.Array:
@@ -48,7 +50,7 @@ def residual_sample(kr, d_K, L_RV, stats_T, q_KV, temperature: float, n, k) -> j
 
 
 def speculative_sampling(draft_tokens, target_logits, key, *, draft_probs=None, temperature=1.0,
-                         num_draft=None) -> Verdict:
+                         num_draft=None, backend=None) -> Verdict:
     """Lossless speculative sampling: the emitted tokens follow softmax(L / T).
 
     draft_tokens int[K], target_logits float[K+1, V], draft_probs float[K, V]
@@ -57,10 +59,19 @@ def speculative_sampling(draft_tokens, target_logits, key, *, draft_probs=None, 
     fn = "speculative_sampling"
     temperature = _common.check_temperature(fn, temperature)
     if temperature == 0:
-        return _greedy.greedy(draft_tokens, target_logits, num_draft=num_draft)
+        return _greedy.greedy(draft_tokens, target_logits, num_draft=num_draft, backend=backend)
     d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
     q_KV = _common.check_draft_probs(fn, draft_probs, d_K.shape[0], L_RV.shape[1])
     ku, kr = jax.random.split(_common.check_key(fn, key))
-    stats_T = tempered_stats(d_K, L_RV, temperature)
+    stats_T = tempered_stats(d_K, L_RV, temperature, backend)
     n = _common.accepted_count(sampling_flags(ku, d_K, stats_T, q_KV, k))
     return Verdict(n, residual_sample(kr, d_K, L_RV, stats_T, q_KV, temperature, n, k), jnp.int32(0))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling(_common.Rule, name="sampling", sampling=True):
+    """Lossless speculative sampling (T > 0; greedy at T = 0)."""
+
+    def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
+        return speculative_sampling(d_K, L_RV, key, draft_probs=q_KV, temperature=temperature, num_draft=k,
+                                    backend=backend)

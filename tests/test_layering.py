@@ -1,0 +1,169 @@
+"""The import graph of specjax/: no cycle, and no arrow from a lower layer to a higher one.
+
+The graph is read with `ast` from every module's source: module-level imports and those inside
+functions alike (a function-level import is an arrow too, only a later one); an import under
+`if TYPE_CHECKING:` names a type for annotations and runs never, so it is no arrow. A
+package's `__init__` is a node of its own.
+
+The layers, lowest first (a module may import its own layer and the ones below):
+
+    backend    the one settings object (`Backend`) and plain helpers every layer reads
+    pallas     the kernels and their jnp references
+    verify     the acceptance rules, pure functions over logits (they read pallas)
+    models     the decoder and its weights (config, quant, llama, conversion, checkpoints,
+               tokenizer, the feature draft) and `_checks`, the input checks that Model.logits
+               and the Engine share: it reads the rules' number checks, below it, so its arrow
+               to verify points down
+    native     the optional CPU kernels: their weight layouts subclass `quant.Relaid`; the models
+               reach the kernels only through `Backend.kernels`, never by import
+    sharding   logical-axis rules and layouts over a model's config and arrays (never the Model type)
+    loader     `models.model` (the Model class and `models.load`) and the `specjax.models`
+               package: loading with a mesh places the params through sharding, so the loader
+               sits above it and the arrow between them goes one way
+    drafters   what proposes tokens (and `metrics`, the loop's counters)
+    loop       the compiled program
+    engine     the public Engine, the compilation cache, AOT reports, `specjax` itself
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "specjax"
+
+LAYERS = [
+    ("backend", ["specjax.backend", "specjax.sampling"]),
+    ("pallas", ["specjax.pallas"]),
+    ("verify", ["specjax.verify"]),
+    ("models", ["specjax.models.config", "specjax.models.quant", "specjax.models.llama", "specjax.models.convert",
+                "specjax.models.shards", "specjax.models.presets", "specjax.models.tokenizer",
+                "specjax.models.catalog", "specjax.models.feature_draft", "specjax._checks"]),
+    ("native", ["specjax.native"]),
+    ("sharding", ["specjax.sharding"]),
+    ("loader", ["specjax.models.model", "specjax.models"]),
+    ("drafters", ["specjax.drafters", "specjax.metrics"]),
+    ("loop", ["specjax.loop"]),
+    ("engine", ["specjax.engine", "specjax.compile_cache", "specjax.aot", "specjax.data", "specjax"]),
+]
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the specjax modules it imports (anywhere in its source)."""
+    mods = modules()
+
+    def owner(name: str) -> str:  # the module a dotted name lives in
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {owner(a.name) for a in node.names if a.name.split(".")[0] == "specjax"}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package up
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                if base.split(".")[0] != "specjax":
+                    continue
+                for a in node.names:  # `from specjax import verify` names a module; `from x import f` does not
+                    full = f"{base}.{a.name}"
+                    targets.add(full if full in mods else owner(base))
+        graph[name] = targets - {name, ""}
+    return graph
+
+
+def _runtime_nodes(tree):
+    """Every node of `tree` but those under `if TYPE_CHECKING:`."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            test = getattr(child, "test", None) if isinstance(child, ast.If) else None
+            if test is not None and getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING":
+                todo.extend(child.orelse)
+                continue
+            todo.append(child)
+
+
+def layer_of(module: str) -> int:
+    best, depth = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            exact_package = p in ("specjax", "specjax.models")  # the packages themselves, not their modules
+            hit = module == p if exact_package else (module == p or module.startswith(p + "."))
+            if hit and len(p) > depth:
+                best, depth = i, len(p)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer of tests/test_layering.py: add it to LAYERS")
+    return best
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_graph_sees_module_and_function_level_imports():
+    graph = import_graph()
+    assert "specjax.models.llama" in graph["specjax.loop"]  # `from specjax.models import llama`
+    assert "specjax.models.model" in graph["specjax.drafters"]  # `from specjax.models.model import Model`
+    assert "specjax.models.shards" in graph["specjax.models.model"]  # inside a function
+    assert "specjax.backend" in graph["specjax.models.quant"]
+
+
+def test_no_import_cycle_inside_specjax():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+
+
+def test_no_arrow_from_a_lower_layer_to_a_higher_one():
+    upward = [f"{m} ({LAYERS[layer_of(m)][0]}) imports {n} ({LAYERS[layer_of(n)][0]})"
+              for m, targets in sorted(import_graph().items()) for n in sorted(targets)
+              if layer_of(n) > layer_of(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_models_never_import_the_native_kernels():
+    """The native kernels reach the models as `Backend.kernels`; quant and llama know only the
+    `quant.Relaid` base of the kernels' layouts."""
+    graph = import_graph()
+    for m in ("specjax.models.quant", "specjax.models.llama", "specjax.loop"):
+        assert not any(n.startswith("specjax.native") for n in graph[m]), (m, graph[m])
+
+
+def test_a_cycle_and_an_upward_arrow_are_found():
+    """The checks can fail: a made-up cycle, and a made-up arrow from pallas up to verify."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert layer_of("specjax.verify._asd") > layer_of("specjax.pallas.regret_prefix")
+    assert layer_of("specjax.models.model") > layer_of("specjax.sharding._layout") > layer_of("specjax.models.llama")
