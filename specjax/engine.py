@@ -9,7 +9,6 @@ compiling, and turns the program's arrays into tokens and statistics.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from typing import Any, Sequence
 

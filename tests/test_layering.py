@@ -33,7 +33,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "specjax"
 
 LAYERS = [
-    ("backend", ["specjax.backend", "specjax.sampling"]),
+    ("backend", ["specjax.backend", "specjax.sampling", "specjax._files"]),
     ("pallas", ["specjax.pallas"]),
     ("verify", ["specjax.verify"]),
     ("models", ["specjax.models.config", "specjax.models.quant", "specjax.models.llama", "specjax.models.convert",
@@ -44,7 +44,7 @@ LAYERS = [
     ("loader", ["specjax.models.model", "specjax.models"]),
     ("drafters", ["specjax.drafters", "specjax.metrics"]),
     ("loop", ["specjax.loop"]),
-    ("engine", ["specjax.engine", "specjax.compile_cache", "specjax.aot", "specjax.data", "specjax"]),
+    ("engine", ["specjax.engine", "specjax.compile_cache", "specjax.aot", "specjax"]),
 ]
 
 
