@@ -311,7 +311,7 @@ def unstack_layers(params, dtype=jnp.float32):
     cannot fuse the two); separate float arrays are read by the dot where they lie. Measured on a
     2-core Xeon (experiments/profile_step.py): SmolLM2-135M's decode step 1.4x faster. The cost:
     compile time grows with depth, and the weights take float bytes (3.2x a Q4_1 file's codes).
-    `quant.PackedQuant` matrices (made for the native CPU kernel) stay packed, one per layer: the
+    `native.PackedQuant` matrices (made for the native CPU kernel) stay packed, one per layer: the
     kernel streams them where they lie, with no slice copied per step.
     """
     if is_unrolled(params):

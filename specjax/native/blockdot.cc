@@ -2,7 +2,7 @@
 //
 // W is float32 [K, N]; or block codes as specjax.models.quant.BlockQuant lays them out: int8
 // codes [K, N] (row k, column n), float32 scale and offset [K / bs, N], the weight being
-// codes * scale + offset; or the same values tile-major (quant.PackedQuant: each 32-column tile
+// codes * scale + offset; or the same values tile-major (native.PackedQuant: each 32-column tile
 // one contiguous stream), int8 or 4-bit codes two per byte (row 2j in the low nibble, row 2j + 1
 // in the high one; unsigned 0..15 or signed -8..7), possibly one layer of a stack, read in place.
 // XLA:CPU cannot fuse a dequantization into its dot, so it writes a float32 copy of every weight
@@ -107,7 +107,7 @@ inline void LoadNibbles(const uint8_t* p, VecF* lo, VecF* hi) {
 enum class Codes { kDense, kInt8, kU4, kS4 };
 
 // Int8 codes and floats come row-major ([K, N], scales [K / bs, N]); nibbles come tile-major
-// (quant.PackedQuant: [N / 32, K / 2, 32], scales [N / 32, K / bs, 32]), so that a tile's weights
+// (native.PackedQuant: [N / 32, K / 2, 32], scales [N / 32, K / bs, 32]), so that a tile's weights
 // are one contiguous stream. `Rows(t)` is where tile t's rows start and `stride` the step between
 // rows, for the codes and for the scales.
 struct Weights {
@@ -302,7 +302,7 @@ ffi::Error BlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return Run(pool, x.typed_data(), y->typed_data(), w, Codes::kInt8, xd[0], xd[1], cd[1]);
 }
 
-// Tile-major codes (quant.PackedQuant) of a stack of L layers, layer `layer` read where it lies
+// Tile-major codes (native.PackedQuant) of a stack of L layers, layer `layer` read where it lies
 // (a scan over the stack copies no slice): data [L, N / 32, K / per, 32] (uint8 nibbles, per = 2,
 // or int8 codes, per = 1), scale/offset [L, N / 32, K / bs, 32], layer an int32 scalar.
 ffi::Error TileImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer data,
@@ -359,7 +359,7 @@ ffi::Error DenseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 //   y[m, n] += dx[m, b] * (scale[b, n] * (I[m, b, n] - zero * X[m, b]) + offset[b, n] * X[m, b])
 // with I = sum(u * xq) and X = sum(xq) over the block. A row's outputs depend on that row only.
 //
-// Weights (quant.Q8Tiles): tiles of 16 columns, each one contiguous stream of 64-byte groups;
+// Weights (native.Q8Tiles): tiles of 16 columns, each one contiguous stream of 64-byte groups;
 // bits 4: group g holds rows 8g .. 8g + 7 of the tile, byte 4n + i = u(8g + i, n) | u(8g + 4 + i,
 // n) << 4; bits 8: rows 4g .. 4g + 3, byte 4n + i = u(4g + i, n). So a group's low nibbles (or
 // its bytes) are, in lane n, four consecutive rows of column n: one VNNI operand.
