@@ -1,4 +1,9 @@
-"""specjax.native: the CPU kernel for decode-sized matmuls against plain references."""
+"""specjax.native: the CPU kernel for decode-sized matmuls against plain references.
+
+Longer than our ~450-line rule on purpose: one file per module, and native/ is one kernel seen
+from three sides (the float32 matmul, the q8 path, cached attention) whose tests share the
+build check, the packed layouts and the random block-quantized weights made at the top.
+"""
 
 import dataclasses
 import os
