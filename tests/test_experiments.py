@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -354,7 +353,6 @@ def test_binaries_end_user_errors_with_one_line_and_ctrl_c_with_the_command_to_g
     script = tmp_path / "binary.py"
     script.write_text(f'''"""A binary's docstring, which absl's usage dump would print."""
 import sys
-import time
 sys.path.insert(0, {str(ROOT)!r})
 from absl import app, flags
 from experiments import _paths
