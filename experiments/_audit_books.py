@@ -9,8 +9,11 @@ import gzip
 import json
 import os
 import pathlib
+import zlib
 
 from absl import app
+
+from specjax._files import LoadError, sha256_file
 
 from experiments import _common as C, _jsonl as J
 from experiments._audit_run import REFERENCE, Method, Part
@@ -28,18 +31,40 @@ def _settings_changed(before: dict, now: dict) -> list[str]:
             if before.get(k, _SETTING_DEFAULTS.get(k)) != v]
 
 
+def read_settings(path: pathlib.Path) -> dict:
+    """A run.json's settings, its checksum verified (`write_settings`); one written before checksums
+    existed (the committed audits) is read as it is. LoadError naming the file when it is damaged."""
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LoadError(path, f"not a JSON file ({e}): damaged, or not written by the audit") from None
+    if not isinstance(settings, dict):
+        raise LoadError(path, "not a JSON object: damaged, or not written by the audit")
+    if J.CHECK in settings and settings.pop(J.CHECK) != _settings_crc(settings):
+        raise LoadError(path, "its checksum does not match its content: damaged on disk (or edited)")
+    return settings
+
+
+def _settings_crc(settings: dict) -> str:
+    return f"{zlib.crc32(json.dumps(settings, sort_keys=True).encode()):08x}"
+
+
+def write_settings(path: pathlib.Path, settings: dict) -> None:
+    C.write_text(path, json.dumps(settings | {J.CHECK: _settings_crc(settings)}, indent=1) + "\n")
+
+
 def check_settings(out_dir: pathlib.Path, now: dict) -> None:
     """Records `now` as the run's settings in run.json, or refuses a rerun with other ones."""
     path = out_dir / "run.json"
     if path.exists():
-        before = json.loads(path.read_text())
+        before = read_settings(path)
         was = {k: before.get(k, _SETTING_DEFAULTS.get(k)) for k in now}
         changed = [f"--{k} {was[k]!r} -> {v!r}" for k, v in now.items() if was[k] != v]
         if changed:
             raise app.UsageError(f"{out_dir} holds an audit run with other settings ({'; '.join(changed)}); "
                                  "rerun with the same flags to continue it, or use another --output_dir")
     else:
-        path.write_text(json.dumps(now, indent=1) + "\n")
+        write_settings(path, now)
 
 
 def ledgers(out_dir: pathlib.Path, read_only: bool = False) -> dict[str, J.Ledger]:
@@ -64,7 +89,7 @@ def check_reuse_source(source: pathlib.Path, out_dir: pathlib.Path, now: dict) -
     if not (source / "run.json").is_file() or not J.exists(source / "completions.jsonl"):
         raise app.UsageError(f"--reuse_from {source}: not an audit output directory (no run.json and "
                              "completions.jsonl(.gz) there)")
-    changed = _settings_changed(json.loads((source / "run.json").read_text()), now)
+    changed = _settings_changed(read_settings(source / "run.json"), now)
     if changed:
         raise app.UsageError(f"--reuse_from {source}: recorded with other settings ({'; '.join(changed)}); "
                              "its completions are not what this run would decode")
@@ -128,6 +153,17 @@ def write_record(out_dir: pathlib.Path, text: str) -> pathlib.Path:
     return path
 
 
+TABLE_SUMS = "tables.sha256"
+
+
+def write_table_sums(out_dir: pathlib.Path, names: list[str]) -> None:
+    """tables.sha256: the SHA-256 of the tables the audit only writes (audit.md, .csv, .json(.gz),
+    pareto.png), in `sha256sum` format, so `sha256sum -c tables.sha256` in the directory checks them.
+    (The ledgers and run.json carry checksums of their own, verified whenever the audit reads them.)"""
+    rows = [f"{sha256_file(out_dir / n)}  {n}\n" for n in names if (out_dir / n).is_file()]
+    C.write_text(out_dir / TABLE_SUMS, "".join(rows))
+
+
 def compress_record(out_dir: pathlib.Path) -> None:
     plain = out_dir / "audit.json"
     if plain.is_file():
@@ -153,5 +189,7 @@ def compress_run(out_dir: pathlib.Path) -> list[str]:
     if (out_dir / "audit.json").is_file():
         compress_record(out_dir)
         done.append("audit.json")
+        if (out_dir / TABLE_SUMS).is_file():  # it named audit.json
+            write_table_sums(out_dir, ["audit.md", "audit.csv", "audit.json.gz", "pareto.png"])
     return done
 

@@ -3,7 +3,13 @@ fsynced; on reading, a truncated last line (a write cut off) is dropped from the
 
 A finished run's files may be compressed (`compress`: X.jsonl -> X.jsonl.gz, which keeps them small in
 git). A ledger reads X.jsonl.gz first and X.jsonl after it, and appends to X.jsonl: a compressed run
-resumes, and compressing it again folds the new lines into the .gz."""
+resumes, and compressing it again folds the new lines into the .gz.
+
+Each line carries a CRC-32 of its own content as its last field, "_crc32" (`seal`), verified when the
+line is read back (`unseal`): a bit flipped on disk in a line is an error naming the file and the line,
+not a value silently used. Appends stay one write each. Lines written before checksums existed (the
+committed audits in experiments/results) have none and are read as they are, but once a file has shown
+a checksummed line every later line must carry one. A .gz part is checked by gzip's own CRC."""
 
 from __future__ import annotations
 
@@ -11,7 +17,44 @@ import gzip
 import json
 import os
 import pathlib
+import zlib
 from typing import Callable, Hashable
+
+from specjax._files import LoadError
+
+CHECK = "_crc32"  # the field holding a line's checksum; a ledger's readers never see it
+
+
+def _crc(text: str) -> str:
+    return f"{zlib.crc32(text.encode('utf-8')):08x}"
+
+
+def seal(line: dict) -> str:
+    """The text of one ledger line (no newline): `line` as JSON with its checksum as the last field."""
+    text = json.dumps(line)
+    if CHECK in line or not text.endswith("}"):
+        raise ValueError(f"a ledger line is a JSON object without a {CHECK!r} field: {text[:80]}")
+    return f'{text[:-1]}{", " if line else ""}"{CHECK}": "{_crc(text)}"}}'
+
+
+def unseal(raw: bytes | str, where: str) -> tuple[dict, bool]:
+    """(the line without its checksum, whether it had one); LoadError naming `where` (file:line) when the
+    line is not JSON or its content no longer matches its checksum. The checksum is over the line's
+    JSON as `seal` wrote it, so a flip anywhere in the line (the checksum's digits included) is caught."""
+    try:
+        line = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoadError(where, f"not a JSON line ({e}); the file was damaged or changed by something other "
+                               "than the audit") from None
+    if not isinstance(line, dict):
+        raise LoadError(where, "not a JSON object; the file was damaged or changed by something other than the audit")
+    if CHECK not in line:
+        return line, False
+    want = line.pop(CHECK)
+    if want != _crc(json.dumps(line)):
+        raise LoadError(where, "its checksum does not match its content: the line was damaged on disk (or "
+                               "edited); delete that line and rerun to decode it again")
+    return line, True
 
 
 def packed(path: str | os.PathLike) -> pathlib.Path:
@@ -28,8 +71,15 @@ def exists(path: str | os.PathLike) -> bool:
 def read_bytes(path: str | os.PathLike) -> bytes:
     """The lines of a ledger, compressed part first (what a `Ledger` reads, cut-off tail included)."""
     path, gz = pathlib.Path(path), packed(path)
-    data = gzip.decompress(gz.read_bytes()) if gz.is_file() else b""
+    data = _gunzip(gz) if gz.is_file() else b""
     return data + (path.read_bytes() if path.is_file() else b"")
+
+
+def _gunzip(gz: pathlib.Path) -> bytes:
+    try:
+        return gzip.decompress(gz.read_bytes())
+    except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a CRC mismatch too
+        raise LoadError(gz, f"not a whole gzip file (damaged or truncated): {e}") from None
 
 
 def compress(path: str | os.PathLike) -> bool:
@@ -61,9 +111,10 @@ class Ledger:
         self.path, self.key = pathlib.Path(path), key
         self.lines: dict[Hashable, dict] = {}
         self.dropped_tail = b""
+        self._sealed = False  # a checksummed line was read: every later one must carry one
         gz = packed(self.path)
         if gz.exists():  # written whole by `compress`: no cut-off tail to look for
-            self._read(gzip.decompress(gz.read_bytes()), gz, unique)
+            self._read(_gunzip(gz), gz, unique)
         if self.path.exists():
             data = self.path.read_bytes()
             end = data.rfind(b"\n") + 1  # everything after the last newline is a cut-off write
@@ -81,14 +132,17 @@ class Ledger:
         for number, raw in enumerate(data.splitlines(), 1):
             if not raw.strip():
                 continue
+            line, sealed = unseal(raw, f"{where}:{number}")
+            if self._sealed and not sealed:
+                raise LoadError(f"{where}:{number}", f"no {CHECK} field after lines that have one: the line "
+                                                     "was damaged on disk (or edited); delete it and rerun")
+            self._sealed = self._sealed or sealed
             try:
-                line = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}:{number}: not a JSON line ({e}); the file was changed "
-                                 "by something other than the audit") from None
-            k = self.key(line)
+                k = self.key(line)
+            except (KeyError, TypeError):
+                raise LoadError(f"{where}:{number}", "lacks the fields of this ledger's lines") from None
             if unique and k in self.lines:
-                raise ValueError(f"{where}:{number}: {k} appears twice")
+                raise LoadError(f"{where}:{number}", f"{k} appears twice")
             self.lines[k] = line
 
     def __contains__(self, k) -> bool:
@@ -104,7 +158,7 @@ class Ledger:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
-        self._file.write(json.dumps(line) + "\n")  # one write: a kill leaves a whole line or a cut-off tail
+        self._file.write(seal(line) + "\n")  # one write: a kill leaves a whole line or a cut-off tail
         self._file.flush()
         os.fsync(self._file.fileno())
         self.lines[self.key(line)] = line

@@ -109,6 +109,7 @@ from absl import app, flags, logging
 from specjax import models
 
 from experiments import _audit_books as B, _audit_run as R, _audit_tables as T, _common as C, _humaneval as H
+from experiments import _paths
 from experiments._audit_run import REFERENCE
 
 DEFAULT_METHODS = ["exact", "fly", "asd", "csd"]
@@ -254,6 +255,8 @@ def main(argv):
         n = B.reuse(pathlib.Path(_REUSE.value), parts, methods, books, _BATCH.value)
         C.log(f"copied {n} completions from {_REUSE.value}")
     progress = R.Progress(len(keys), sum(k in books["completions"] for k in keys))
+    _paths.set_status(lambda: f"{progress.done}/{progress.total} (task, method) completions are saved in "
+                              f"{out_dir}; the same command continues from there")
     C.log(f"{progress.done}/{progress.total} completions already in {out_dir / 'completions.jsonl'}; "
           f"{len(methods)} methods, batch {_BATCH.value}")
     finished = True
@@ -298,6 +301,7 @@ def write_tables(out_dir, parts, methods, books, wanted, keys, finished, wall) -
     path = B.write_record(out_dir, json.dumps(C.jsonable(record), indent=1))
     if "humaneval" in summaries:
         T.plot_front(summaries["humaneval"], out_dir / "pareto.png")
+    B.write_table_sums(out_dir, ["audit.md", "audit.csv", path.name, "pareto.png"])
     C.log(f"wrote {out_dir}/audit.md, audit.csv, {path.name}" + ("" if finished else " (unfinished: rerun)"))
 
 

@@ -31,7 +31,7 @@ import time
 from absl import app, flags, logging
 
 from experiments import _common as C
-from experiments import _llamacpp
+from experiments import _llamacpp, _paths
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Target: preset, .gguf or HF directory.")
 _DRAFTS = flags.DEFINE_list("drafts", ["pld"], "Drafters: pld, self:N, a preset/path (draft model), "
@@ -169,6 +169,8 @@ def main(argv):
     peer_tallies = {name: Tally() for name in peer}
     llama_tallies = {name: Tally() for name in llama_peer}
     for i, (dataset, ids) in enumerate(prompts):
+        _paths.set_status(lambda i=i: f"stopped measuring prompt {i + 1}/{len(prompts)}; the results are written "
+                                      "only at the end, so the same command measures again")
         t = time.perf_counter()
         reference = baseline.generate([ids]).tokens
         first = time.perf_counter() - t

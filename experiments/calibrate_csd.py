@@ -29,7 +29,7 @@ import numpy as np
 from absl import app, flags, logging
 
 
-from experiments import _common as C, _rounds as R
+from experiments import _common as C, _paths, _rounds as R
 C.define_calibration_source_flags(num_prompts=40, max_new_tokens=128)
 for _module in C.FLAG_MODULES:  # --help lists the shared flags
     flags.adopt_module_key_flags(_module)
@@ -83,6 +83,8 @@ def main(argv):
     C.check_output("output", _OUTPUT.value, dir=True); C.check_output("cache_dir", FLAGS.cache_dir, dir=True)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    _paths.set_status(lambda: "nothing was saved: the memory is written only at the end, so the same command "
+                              "starts again")
     _validate()
     logging.set_verbosity(logging.WARNING)
     start = time.perf_counter()

@@ -25,7 +25,7 @@ from absl import app, flags, logging
 
 from specjax import models, verify
 
-from experiments import _common as C  # python -m experiments.generate
+from experiments import _common as C, _paths  # python -m experiments.generate
 _MODEL = flags.DEFINE_string("model", models.DEFAULT_PRESET,
                              f"Target: a preset ({', '.join(models.PRESETS)}), a .gguf file, a Hugging Face "
                              f"directory, or {C.RANDOM}[:SEED] (a tiny random model, for tests).")
@@ -83,6 +83,8 @@ def main(argv):
     C.check_output("output", _OUTPUT.value)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    _paths.set_status(lambda: "the replies printed above are complete; --output is written only at the end, so "
+                              "the same command starts again")
     _validate()
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     say = (lambda msg: None) if _QUIET.value else C.log

@@ -34,7 +34,7 @@ from absl import app, flags, logging
 
 from specjax import models
 
-from experiments import _common as C, _humaneval as H
+from experiments import _common as C, _humaneval as H, _paths
 SWEPT = ("greedy", "exact", "fly", "asd", "csd")
 
 _MODEL = flags.DEFINE_string("model", models.DEFAULT_PRESET, "Target model (preset, .gguf, HF directory, "
@@ -160,6 +160,8 @@ def main(argv):
              "speedup": 1.0, "divergence": 0.0, "pass_at_1": base_pass, "recovery": 1.0 if base_pass else None}]
     before = base
     for i, (method, k, options) in enumerate(grid):
+        _paths.set_status(lambda i=i: f"stopped at grid point {i + 1}/{len(grid)}; the table is written only at "
+                                      "the end, so the same command runs the sweep again")
         if _BUDGET_MIN.value and time.perf_counter() - start > 60 * _BUDGET_MIN.value:
             C.log(f"time budget reached: {len(grid) - i} point(s) not run")
             break

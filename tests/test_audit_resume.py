@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments import _jsonl as J
+
 ROOT = Path(__file__).resolve().parents[1]
 AUDIT = ROOT / "experiments" / "audit.py"
 ARGS = ["--model", "random:tiny", "--k", "2", "--draft", "self:1", "--method", "exact", "--method", "csd",
@@ -50,8 +52,8 @@ def finish(proc, ok=True):
     return out, err
 
 
-def lines(path):
-    return [json.loads(x) for x in path.read_text().splitlines()]
+def lines(path):  # each line's checksum verified and dropped
+    return [J.unseal(x, f"{path}:{n}")[0] for n, x in enumerate(path.read_text().splitlines(), 1)]
 
 
 def by_key(rows, *names):
@@ -97,7 +99,7 @@ def test_a_killed_audit_resumes_to_the_uninterrupted_result(env, whole, tmp_path
     got = lines(path)
     assert len(got) == len(want)  # nothing duplicated, nothing lost
     assert by_key(got, "task_id", "method") == by_key(want, "task_id", "method")
-    assert got[:written] == [json.loads(x) for x in partial.splitlines()]  # what was there stayed as it was
+    assert got[:written] == [J.unseal(x, "partial")[0] for x in partial.splitlines()]  # what was there stayed as it was
     assert by_key(lines(resumed / "mtbench_logprob.jsonl"), "task_id", "method") == \
         by_key(lines(whole / "mtbench_logprob.jsonl"), "task_id", "method")
     assert "| csd |" in (resumed / "audit.md").read_text()
@@ -107,8 +109,8 @@ def test_a_killed_audit_resumes_to_the_uninterrupted_result(env, whole, tmp_path
     assert lines(path) == got
 
     settings = json.loads((resumed / "run.json").read_text())
-    assert settings.pop("matmul") == "auto"
-    (resumed / "run.json").write_text(json.dumps(settings))  # as recorded before --matmul existed: auto
+    assert settings.pop("matmul") == "auto" and settings.pop("_crc32")
+    (resumed / "run.json").write_text(json.dumps(settings))  # as recorded before --matmul (and checksums) existed
     out, err = finish(audit(resumed, env, "--batch_size", "3", "--matmul", "q8"), ok=False)  # other settings
     assert "other settings (--batch_size 2 -> 3; --matmul 'auto' -> 'q8')" in err and "Traceback" not in err
 
@@ -186,8 +188,6 @@ def test_a_compressed_audit_keeps_its_lines_and_tables_and_resumes(env, whole, t
     import gzip
     import shutil
 
-    from experiments import _jsonl as J
-
     packed = tmp_path / "packed"
     shutil.copytree(whole, packed)
     names = sorted(p.name for p in whole.glob("*.jsonl"))
@@ -225,6 +225,6 @@ def test_a_compressed_audit_keeps_its_lines_and_tables_and_resumes(env, whole, t
     assert (part / "completions.jsonl").exists() and (part / "completions.jsonl.gz").exists()
     for name in names:
         J.compress(part / name)
-    got = [json.loads(x) for x in gzip.decompress((part / "completions.jsonl.gz").read_bytes()).splitlines()]
+    got = [J.unseal(x, "gz")[0] for x in gzip.decompress((part / "completions.jsonl.gz").read_bytes()).splitlines()]
     assert by_key(got, "task_id", "method") == by_key(lines(whole / "completions.jsonl"), "task_id", "method")
     assert not list(part.glob("*.jsonl"))

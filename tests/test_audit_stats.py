@@ -131,9 +131,10 @@ def test_ledger_reads_its_compressed_part_and_appends_beside_it(tmp_path):
     assert sorted(book.lines) == [1, 2]
     book.append({"id": 3})
     book.close()
-    assert path.read_bytes() == b'{"id": 3}\n' and J.read_bytes(path) == whole + b'{"id": 3}\n'
+    three = J.seal({"id": 3}).encode() + b"\n"  # the line and its checksum
+    assert path.read_bytes() == three and J.read_bytes(path) == whole + three
     assert sorted(J.Ledger(path, lambda r: r["id"]).lines) == [1, 2, 3]
-    path.write_bytes(b'{"id": 2}\n')  # a key in both parts
+    path.write_bytes(J.seal({"id": 2}).encode() + b"\n")  # a key in both parts
     with pytest.raises(ValueError, match=r"x.jsonl:1: 2 appears twice"):
         J.Ledger(path, lambda r: r["id"])
     path.write_bytes(b'{"id": 3}\n{"id": 4')  # a cut-off tail: finish the run before compressing
