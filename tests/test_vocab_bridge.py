@@ -1,0 +1,235 @@
+"""specjax.vocab_bridge: tables between two byte-level BPE vocabularies and the device translation;
+experiments.cross_vocab_reference, the host re-tokenizing yardstick."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+
+from _tokenizer_corpus import CODE, DIGITS, EMOJI, PROSE, UNICODE, WHITESPACE
+from experiments import cross_vocab_reference as ref
+from specjax import vocab_bridge as vb
+from specjax.models.tokenizer import Tokenizer
+
+TRAIN = CODE + PROSE + UNICODE + EMOJI + DIGITS + WHITESPACE
+
+
+def _tiny(vocab_size, specials, *, digits, corpus):
+    """A byte-level BPE trained on `corpus`, with `specials` first (ids 0..)."""
+    backend = Backend(models.BPE())
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        steps + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[AddedToken(s, special=True) for s in specials],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(corpus, trainer)
+    n = backend.get_vocab_size(with_added_tokens=True)
+    eos = backend.token_to_id("<|im_end|>")
+    return Tokenizer(backend, vocab_size=n, bos_token_id=None, eos_token_id=eos)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    # Different sizes, corpora and pre-tokenizers, so merges differ; specials partly shared.
+    target = _tiny(520, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim|>"], digits=False,
+                   corpus=TRAIN * 3)
+    draft = _tiny(330, ["<|im_start|>", "<|im_end|>", "<draft_only>"], digits=True,
+                  corpus=PROSE * 3 + CODE)
+    assert target.vocab_size != draft.vocab_size
+    return target, draft, vb.build_bridge(target, draft, target_name="tiny-target", draft_name="tiny-draft")
+
+
+def _texts(seed=0, n=40):
+    rng = random.Random(seed)
+    chars = "abcdefgh xyz_(){}:=\n\t0123456789é中文🙂ß→"
+    out = [rng.choice(TRAIN) for _ in range(n // 2)]
+    out += ["".join(rng.choice(chars) for _ in range(rng.randint(1, 60))) for _ in range(n - n // 2)]
+    return out
+
+
+def _bytes(tok, ids):
+    tb = vb.token_bytes(tok)
+    return b"".join(tb[i] for i in ids)
+
+
+def _run(bridge, ids, cap, direction):
+    fn = vb.draft_to_target if direction == "d2t" else vb.target_to_draft
+    ids_N = jnp.asarray(ids + [0] * 3, jnp.int32)  # padding past n must be ignored
+    out, count, used = jax.jit(fn, static_argnums=3)(bridge, ids_N, jnp.int32(len(ids)), cap)
+    return [int(t) for t in out[:int(count)]], int(count), int(used), np.asarray(out)
+
+
+def test_tables_keep_bytes(pair):
+    target, draft, bridge = pair
+    for src, dst, ids_VxW, len_V in ((draft, target, bridge.d2t_ids_VdxW, bridge.d2t_len_Vd),
+                                     (target, draft, bridge.t2d_ids_VtxW, bridge.t2d_len_Vt)):
+        assert ids_VxW.shape[0] == len_V.shape[0] == src.vocab_size
+        for v, data in enumerate(vb.token_bytes(src)):
+            k = int(len_V[v])
+            if data is None:
+                continue
+            assert 1 <= k <= ids_VxW.shape[1]
+            assert _bytes(dst, [int(t) for t in ids_VxW[v, :k]]) == data
+    assert bridge.nbytes == sum(a.size * 4 for a in (bridge.d2t_ids_VdxW, bridge.d2t_len_Vd,
+                                                     bridge.t2d_ids_VtxW, bridge.t2d_len_Vt))
+
+
+@pytest.mark.parametrize("direction", ["d2t", "t2d"])
+def test_round_trip_random_texts(pair, direction):
+    target, draft, bridge = pair
+    src, dst = (draft, target) if direction == "d2t" else (target, draft)
+    for text in _texts():
+        data = text.encode("utf-8")
+        ids = vb.encode_bytes(src, data)
+        got, count, used, _ = _run(bridge, ids, 512, direction)
+        assert used == len(ids)
+        assert _bytes(dst, got) == data
+        # partial UTF-8: a prefix of whole source tokens may end mid-character; its bytes still match
+        for cut in range(1, len(ids)):
+            got, _, used, _ = _run(bridge, ids[:cut], 512, direction)
+            assert used == cut and _bytes(dst, got) == _bytes(src, ids[:cut])
+
+
+def test_partial_utf8_tokens(pair):
+    target, draft, bridge = pair
+    # a 4-byte emoji split into single-byte tokens in the draft: each maps to the target's byte tokens
+    data = "🙂".encode()
+    ids = [draft.token_to_id(vb._byte_encoder()[b]) for b in data]
+    got, count, used, _ = _run(bridge, ids[:2], 8, "d2t")
+    assert used == 2 and _bytes(target, got) == data[:2]
+    got, count, used, _ = _run(bridge, ids, 8, "d2t")
+    assert _bytes(target, got) == data
+
+
+def test_cap_cuts_at_whole_tokens(pair):
+    target, draft, bridge = pair
+    ids = vb.encode_bytes(draft, "def pop(self):\n        return self.items.pop(-1)\n".encode())
+    lens = np.asarray(bridge.d2t_len_Vd)[ids]
+    for K in (1, 2, 3, 5, 8):
+        got, count, used, out = _run(bridge, ids, K, "d2t")
+        assert out.shape == (K,)
+        want_used = int(np.sum(np.cumsum(lens) <= K))
+        assert used == want_used and count == int(np.sum(lens[:used])) <= K
+        assert _bytes(target, got) == _bytes(draft, ids[:used])
+        assert np.all(out[count:] == 0)
+        if used < len(ids):  # the next whole token would not have fit
+            assert count + lens[used] > K
+
+
+def test_special_tokens(pair):
+    target, draft, bridge = pair
+    hi = vb.encode_bytes(draft, b"Hi there")
+    im_end_d, im_end_t = draft.token_to_id("<|im_end|>"), target.token_to_id("<|im_end|>")
+    # shared by text: ChatML maps one to one, EOS included
+    assert int(bridge.d2t_len_Vd[im_end_d]) == 1 and int(bridge.d2t_ids_VdxW[im_end_d, 0]) == im_end_t
+    got, count, used, _ = _run(bridge, hi + [im_end_d] + hi, 64, "d2t")
+    assert used == 2 * len(hi) + 1 and got[len(got) // 2] == im_end_t
+    assert got[:count // 2] == vb.encode_bytes(target, b"Hi there") or _bytes(target, got[:count // 2]) == b"Hi there"
+    # no counterpart: the proposal stops before it
+    only = draft.token_to_id("<draft_only>")
+    assert int(bridge.d2t_len_Vd[only]) == vb.UNMAPPED
+    got, count, used, _ = _run(bridge, hi + [only] + hi, 64, "d2t")
+    assert used == len(hi) and _bytes(target, got) == b"Hi there"
+    got, count, used, _ = _run(bridge, [only] + hi, 64, "d2t")
+    assert (count, used) == (0, 0)
+    for name in ("<|endoftext|>", "<|fim|>"):  # target-only specials: committed text stops there
+        assert int(bridge.t2d_len_Vt[target.token_to_id(name)]) == vb.UNMAPPED
+
+
+def test_jit_vmap_ragged_batch(pair):
+    target, draft, bridge = pair
+    rows = [vb.encode_bytes(draft, t.encode()) for t in _texts(seed=1, n=6)]
+    N = max(len(r) for r in rows)
+    ids_BxN = jnp.asarray([r + [0] * (N - len(r)) for r in rows], jnp.int32)
+    n_B = jnp.asarray([len(r) for r in rows], jnp.int32)
+    K = 12
+    fn = jax.jit(jax.vmap(lambda i, n: vb.draft_to_target(bridge, i, n, K)))
+    out_BxK, count_B, used_B = fn(ids_BxN, n_B)
+    assert out_BxK.shape == (len(rows), K)
+    for b, r in enumerate(rows):
+        got, count, used, _ = _run(bridge, r, K, "d2t")
+        assert [int(t) for t in out_BxK[b, :count]] == got
+        assert (int(count_B[b]), int(used_B[b])) == (count, used)
+
+
+def test_not_byte_level_is_refused(pair):
+    target, draft, _ = pair
+    wordpiece = Backend(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wp = Tokenizer(wordpiece, vocab_size=2, bos_token_id=None, eos_token_id=None)
+    with pytest.raises(ValueError, match="tiny-target.*my-bert.*WordPiece"):
+        vb.check_bridgeable(target, wp, target_name="tiny-target", draft_name="my-bert")
+    with pytest.raises(ValueError, match="tiny-target.*none-draft.*missing"):
+        vb.build_bridge(target, None, target_name="tiny-target", draft_name="none-draft")
+    plain = Backend(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    plain.pre_tokenizer = pre_tokenizers.Whitespace()
+    with pytest.raises(ValueError, match="draft-x.*byte-level"):
+        vb.check_bridgeable(Tokenizer(plain, vocab_size=3, bos_token_id=None, eos_token_id=None), draft,
+                            target_name="draft-x")
+    vb.check_bridgeable(target, draft)  # the tiny pair itself is fine
+
+
+def test_host_reference_against_device(pair):
+    """FLy's host re-tokenizing and the device table give the same bytes for whole-character text;
+    their ids differ only where a merge spans a draft-token boundary (the table keeps the draft's
+    boundaries, re-tokenizing the text does not) and where a token ends mid-character (decoding
+    to text turns the partial character into U+FFFD, so the host path changes the bytes)."""
+    target, draft, bridge = pair
+    n_same = n_all = 0
+    for text in _texts(seed=2):
+        ids = vb.encode_bytes(draft, text.encode())
+        host = ref.retokenize(draft, target, ids)
+        dev, _, used, _ = _run(bridge, ids, 512, "d2t")
+        assert used == len(ids)
+        assert _bytes(target, dev) == _bytes(target, host) == text.encode()
+        n_same += dev == host
+        n_all += 1
+    assert n_same < n_all  # the tiny pair's merges differ: the two are not the same algorithm
+    # with the draft's own boundary inside a multi-byte character, only the device keeps the bytes
+    emoji = vb.encode_bytes(draft, "🙂".encode())
+    if len(emoji) > 1:
+        dev, _, _, _ = _run(bridge, emoji[:1], 8, "d2t")
+        assert _bytes(target, dev) == _bytes(draft, emoji[:1])
+        assert "\ufffd" in target.decode(ref.retokenize(draft, target, emoji[:1]))
+    # the context form returns only the new part, re-segmented across the seam
+    ctx, new = vb.encode_bytes(draft, b"def add(a, b):"), vb.encode_bytes(draft, b"\n    return a + b\n")
+    got = ref.retokenize(draft, target, new, context=ctx)
+    assert _bytes(target, got).endswith(b"return a + b\n")
+
+
+def _gguf(name):
+    try:
+        from specjax.models import presets
+
+        return presets.resolve(name)
+    except Exception:  # not installed: this test is opt-in
+        return None
+
+
+@pytest.mark.qwen
+def test_smollm2_qwen_pair():
+    paths = [_gguf(n) for n in ("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")]
+    if None in paths or not all(os.path.isfile(p) for p in paths):
+        pytest.skip("needs the SmolLM2 and Qwen2.5-Coder-0.5B GGUFs")
+    qwen, smol = (Tokenizer.from_gguf(pathlib.Path(p)) for p in paths)
+    bridge = vb.build_bridge(qwen, smol, target_name="qwen2.5-coder-0.5b", draft_name="smollm2-135m")
+    assert bridge.d2t_len_Vd.shape == (49152,) and bridge.t2d_len_Vt.shape == (151936,)
+    for name in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):  # ChatML and EOS shared by text
+        d, t = smol.token_to_id(name), qwen.token_to_id(name)
+        assert int(bridge.d2t_len_Vd[d]) == 1 and int(bridge.d2t_ids_VdxW[d, 0]) == t
+    assert int(bridge.d2t_ids_VdxW[smol.eos_token_id, 0]) == qwen.token_to_id("<|im_end|>")
+    text = "def fib(n):\n    \"\"\"Fibonacci → 中文 🙂\"\"\"\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    ids = smol.encode(text)
+    got, count, used, _ = _run(bridge, ids, 256, "d2t")
+    assert used == len(ids) and qwen.decode(got) == text
+    back, _, used, _ = _run(bridge, qwen.encode(text), 256, "t2d")
+    assert smol.decode(back) == text
+    m = ref.measure(smol, qwen, [text])
+    assert m["per-token table (device)"]["same span"] > 0.5
