@@ -180,17 +180,34 @@ def _not_byte_level(tok) -> str | None:
 
 @struct.dataclass(kw_only=True)
 class Bridge:
-    """The two translation tables (device arrays; W and W' are the widest rows)."""
-    d2t_ids_VdxW: jax.Array   # int32: target ids of each draft token's bytes, 0-padded
-    d2t_len_Vd: jax.Array     # int32: row lengths; UNMAPPED for a special token with no counterpart
-    t2d_ids_VtxW: jax.Array   # int32: draft ids of each target token's bytes
-    t2d_len_Vt: jax.Array     # int32
+    """Device tables for both directions; `algorithm` ("greedy" or "table") says which are filled.
+
+    "table": `d2t_ids_VdxW`/`d2t_len_Vd` and `t2d_ids_VtxW`/`t2d_len_Vt` (per-token rows).
+    "greedy": each vocabulary's token bytes (`*_bytes_VxB`, `*_nb_V`), a sorted hash of the byte
+    strings of its tokens up to `match_len` bytes (`*_hash_H`, `*_hash_id_H`), and the special-token
+    maps (`d2t_special_Vd`, `t2d_special_Vt`: the other side's id, or UNMAPPED). Unused fields are None.
+    """
+    algorithm: str = struct.field(pytree_node=False, default="greedy")
+    match_len: int = struct.field(pytree_node=False, default=32)
+    d2t_ids_VdxW: jax.Array | None = None   # int32: target ids of each draft token's bytes, 0-padded
+    d2t_len_Vd: jax.Array | None = None     # int32: row lengths; UNMAPPED: a special with no counterpart
+    t2d_ids_VtxW: jax.Array | None = None
+    t2d_len_Vt: jax.Array | None = None
+    draft_bytes_VdxB: jax.Array | None = None   # uint8, 0-padded
+    draft_nb_Vd: jax.Array | None = None        # int32 byte counts; 1 for a special (its marker)
+    target_bytes_VtxB: jax.Array | None = None
+    target_nb_Vt: jax.Array | None = None
+    draft_hash_H: jax.Array | None = None       # uint32, sorted
+    draft_hash_id_H: jax.Array | None = None    # int32, the draft id of each hash
+    target_hash_H: jax.Array | None = None
+    target_hash_id_H: jax.Array | None = None
+    d2t_special_Vd: jax.Array | None = None     # int32: target id of a draft special; UNMAPPED else
+    t2d_special_Vt: jax.Array | None = None
 
     @property
     def nbytes(self) -> int:
         """Device memory of the tables (for a memory report)."""
-        return sum(int(a.size) * a.dtype.itemsize for a in
-                   (self.d2t_ids_VdxW, self.d2t_len_Vd, self.t2d_ids_VtxW, self.t2d_len_Vt))
+        return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
 
 
 def build_table(src_tok, dst_tok) -> tuple[np.ndarray, np.ndarray]:
@@ -218,13 +235,74 @@ def build_table(src_tok, dst_tok) -> tuple[np.ndarray, np.ndarray]:
     return ids, lens
 
 
-def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_name: str = "draft") -> Bridge:
-    """Host, once: check both tokenizers and build both tables (a few seconds for 150k ids)."""
+_PLAIN, _NO_COUNTERPART = -1, -2  # the special maps' values besides the other side's id
+_HASH_MUL = 0x01000193  # FNV's prime; any odd multiplier works: every hit is checked byte by byte
+
+
+def byte_hash(data: bytes) -> int:
+    """sum((b + 1) * MUL**j) mod 2**32: the host side of `resegment`'s prefix hashes."""
+    h, p = 0, 1
+    for b in data:
+        h = (h + (b + 1) * p) & 0xFFFFFFFF
+        p = (p * _HASH_MUL) & 0xFFFFFFFF
+    return h
+
+
+def _bytes_arrays(tok) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes_VxB uint8, nb_V int32); a special token: one byte 0 (`resegment` marks it apart)."""
+    all_bytes = token_bytes(tok)
+    width = max(len(b) for b in all_bytes if b is not None)
+    bytes_VxB = np.zeros((tok.vocab_size, width), np.uint8)
+    nb_V = np.ones(tok.vocab_size, np.int32)
+    for v, b in enumerate(all_bytes):
+        if b is not None:
+            bytes_VxB[v, :len(b)] = np.frombuffer(b, np.uint8)
+            nb_V[v] = len(b)
+    return bytes_VxB, nb_V
+
+
+def _hash_arrays(tok, match_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted hashes of the tokens of at most `match_len` bytes, and their ids."""
+    seen: dict[bytes, int] = {}
+    for v, b in enumerate(token_bytes(tok)):
+        if b and len(b) <= match_len and b not in seen:
+            seen[b] = v
+    hashes = np.array([byte_hash(b) for b in seen], np.uint32)
+    ids = np.array(list(seen.values()), np.int32)
+    order = np.argsort(hashes, kind="stable")
+    return hashes[order], ids[order]
+
+
+def _special_map(src_tok, dst_tok) -> np.ndarray:
+    dst_special = {text: i for i, text in _special_tokens(dst_tok).items()}
+    out = np.full(src_tok.vocab_size, _PLAIN, np.int32)
+    for v, text in _special_tokens(src_tok).items():
+        out[v] = dst_special.get(text, _NO_COUNTERPART)
+    return out
+
+
+def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_name: str = "draft",
+                 algorithm: str = "greedy", match_len: int = 32) -> Bridge:
+    """Host, once: check both tokenizers and build the device tables of `algorithm`."""
     check_bridgeable(target_tok, draft_tok, target_name=target_name, draft_name=draft_name)
-    d2t_ids, d2t_len = build_table(draft_tok, target_tok)
-    t2d_ids, t2d_len = build_table(target_tok, draft_tok)
-    return Bridge(d2t_ids_VdxW=jnp.asarray(d2t_ids), d2t_len_Vd=jnp.asarray(d2t_len),
-                  t2d_ids_VtxW=jnp.asarray(t2d_ids), t2d_len_Vt=jnp.asarray(t2d_len))
+    if algorithm == "table":
+        d2t_ids, d2t_len = build_table(draft_tok, target_tok)
+        t2d_ids, t2d_len = build_table(target_tok, draft_tok)
+        return Bridge(algorithm="table", d2t_ids_VdxW=jnp.asarray(d2t_ids), d2t_len_Vd=jnp.asarray(d2t_len),
+                      t2d_ids_VtxW=jnp.asarray(t2d_ids), t2d_len_Vt=jnp.asarray(t2d_len))
+    if algorithm != "greedy":
+        raise ValueError(f"unknown translation algorithm {algorithm!r} (greedy, table)")
+    if not 1 <= match_len <= 256:
+        raise ValueError(f"match_len={match_len} must be in 1..256")
+    arrays = {}
+    for side, tok in (("draft", draft_tok), ("target", target_tok)):
+        b, nb = _bytes_arrays(tok)
+        h, hid = _hash_arrays(tok, match_len)
+        arrays.update({f"{side}_bytes_V{side[0]}xB": b, f"{side}_nb_V{side[0]}": nb,
+                       f"{side}_hash_H": h, f"{side}_hash_id_H": hid})
+    arrays["d2t_special_Vd"] = _special_map(draft_tok, target_tok)
+    arrays["t2d_special_Vt"] = _special_map(target_tok, draft_tok)
+    return Bridge(algorithm="greedy", match_len=match_len, **{k: jnp.asarray(v) for k, v in arrays.items()})
 
 
 # --- device -----------------------------------------------------------------------------------------
@@ -255,18 +333,80 @@ def translate(ids_N: jax.Array, n: jax.Array, table_VxW: jax.Array, len_V: jax.A
     return out_C, count, consumed
 
 
+def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_special_V,
+              dst_hash_H, dst_hash_id_H, dst_bytes_VxB, dst_nb_V, cap: int,
+              match_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One row, greedy longest match: the bytes of the first `n` source tokens, re-cut left to right
+    into the longest destination tokens (of at most `match_len` bytes) -> (out_C, count, consumed).
+
+    The bytes go into one buffer (a special token is one marker slot); each of the `cap` steps
+    hashes every prefix of the next `match_len` bytes, looks the hashes up with `searchsorted`,
+    checks the candidates' bytes, and emits the longest that matches (a byte always does). It
+    stops before a special token with no counterpart. `consumed` counts the source tokens whose
+    bytes the output covers whole.
+    """
+    N, B = ids_N.shape[0], src_bytes_VxB.shape[1]
+    L = match_len
+    M = min(L, dst_bytes_VxB.shape[1])  # no destination token is longer than its table's width
+    special_N = src_special_V[ids_N]
+    live_N = (jnp.arange(N) < n) & (jnp.cumsum(special_N == _NO_COUNTERPART) == 0)
+    nb_N = jnp.where(live_N, src_nb_V[ids_N], 0)
+    end_N = jnp.cumsum(nb_N)
+    total = end_N[-1]
+    # byte values 0..255; a special's slot holds 256 + its destination id; -1 past the end
+    val_NxB = jnp.where(special_N[:, None] >= 0, 256 + special_N[:, None],
+                        src_bytes_VxB[ids_N].astype(jnp.int32))
+    pos_NxB = (end_N - nb_N)[:, None] + jnp.arange(B)[None, :]
+    pos_NxB = jnp.where(jnp.arange(B)[None, :] < nb_N[:, None], pos_NxB, N * B)
+    buf_S = jnp.full((N * B + L,), -1, jnp.int32).at[pos_NxB.reshape(-1)].set(val_NxB.reshape(-1), mode="drop")
+    pow_L = jnp.asarray([pow(_HASH_MUL, j, 1 << 32) for j in range(L)], jnp.uint32)
+    len_L = jnp.arange(1, L + 1)
+
+    def step(t, carry):
+        pos, count, out_C = carry
+        win_L = jax.lax.dynamic_slice(buf_S, (pos,), (L,))
+        plain_L = jnp.cumprod(((win_L >= 0) & (win_L < 256)).astype(jnp.int32)).astype(bool)
+        h_L = jnp.cumsum((win_L.astype(jnp.uint32) + jnp.uint32(1)) * pow_L, dtype=jnp.uint32)
+        at_L = jnp.clip(jnp.searchsorted(dst_hash_H, h_L), 0, dst_hash_H.shape[0] - 1)
+        cand_L = dst_hash_id_H[at_L]
+        cand_bytes_LxM = dst_bytes_VxB[cand_L, :M].astype(jnp.int32)
+        same_LxM = (cand_bytes_LxM == win_L[None, :M]) | (jnp.arange(M)[None, :] >= len_L[:, None])
+        hit_L = plain_L & (dst_hash_H[at_L] == h_L) & (dst_nb_V[cand_L] == len_L) & same_LxM.all(axis=1)
+        best = jnp.max(jnp.where(hit_L, len_L, 0))
+        special = win_L[0] >= 256
+        tok = jnp.where(special, win_L[0] - 256, cand_L[jnp.maximum(best - 1, 0)])
+        step_len = jnp.where(special, 1, best)
+        active = pos < total
+        out_C = out_C.at[t].set(jnp.where(active, tok, 0))
+        return (pos + jnp.where(active, step_len, 0), count + active.astype(jnp.int32), out_C)
+
+    pos, count, out_C = jax.lax.fori_loop(
+        0, cap, step, (jnp.int32(0), jnp.int32(0), jnp.zeros((cap,), jnp.int32)))
+    consumed = jnp.sum(live_N & (end_N <= pos)).astype(jnp.int32)
+    return out_C, count, consumed
+
+
 def draft_to_target(bridge: Bridge, draft_ids_K: jax.Array, n: jax.Array, K: int):
     """A draft proposal -> (target_ids_K, count <= K, draft tokens consumed)."""
-    return translate(draft_ids_K, n, bridge.d2t_ids_VdxW, bridge.d2t_len_Vd, K)
+    if bridge.algorithm == "table":
+        return translate(draft_ids_K, n, bridge.d2t_ids_VdxW, bridge.d2t_len_Vd, K)
+    return resegment(draft_ids_K, n, bridge.draft_bytes_VdxB, bridge.draft_nb_Vd, bridge.d2t_special_Vd,
+                     bridge.target_hash_H, bridge.target_hash_id_H, bridge.target_bytes_VtxB,
+                     bridge.target_nb_Vt, K, bridge.match_len)
 
 
 def target_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: int):
     """Committed target tokens -> (draft_ids_C, count, target tokens consumed), for the draft's context.
 
-    Give `cap` room for the widest row (`bridge.t2d_ids_VtxW.shape[1]` per target token) when every
-    token must pass; otherwise the caller carries the unconsumed rest to the next call.
+    When every token must pass, give `cap` room for the longest translation (with "greedy", at
+    most the byte count; with "table", `t2d_ids_VtxW.shape[1]` per token); otherwise the caller
+    carries the unconsumed rest to the next call.
     """
-    return translate(target_ids_N, n, bridge.t2d_ids_VtxW, bridge.t2d_len_Vt, cap)
+    if bridge.algorithm == "table":
+        return translate(target_ids_N, n, bridge.t2d_ids_VtxW, bridge.t2d_len_Vt, cap)
+    return resegment(target_ids_N, n, bridge.target_bytes_VtxB, bridge.target_nb_Vt, bridge.t2d_special_Vt,
+                     bridge.draft_hash_H, bridge.draft_hash_id_H, bridge.draft_bytes_VdxB,
+                     bridge.draft_nb_Vd, cap, bridge.match_len)
 
 
 def translate_host(ids: Sequence[int], table_VxW: np.ndarray, len_V: np.ndarray) -> list[int]:
