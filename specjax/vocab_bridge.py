@@ -173,8 +173,10 @@ def _not_byte_level(tok) -> str | None:
     if "ByteLevel" not in repr(backend.pre_tokenizer) or "ByteLevel" not in repr(backend.decoder):
         return "is a BPE without a byte-level pre-tokenizer and decoder"
     for b, char in _byte_encoder().items():
-        if backend.token_to_id(char) is None:
-            return f"has no token for the byte {b:#04x} (not a full byte-level vocabulary)"
+        # Only the bytes of ordinary text are required: SmolLM2 lacks 21 others (control bytes
+        # 0x04, 0x06, ..., and 0xc0, 0xc1, 0xf1..0xff); a translation stops before a token needing one.
+        if (0x20 <= b < 0x7F or b in b"\t\n\r") and backend.token_to_id(char) is None:
+            return f"has no token for the byte {b:#04x} (not a byte-level vocabulary)"
     return None
 
 
@@ -214,6 +216,7 @@ def build_table(src_tok, dst_tok) -> tuple[np.ndarray, np.ndarray]:
     """Host: (ids_VxW, len_V) translating each `src_tok` id to `dst_tok` ids (see the module doc)."""
     dst_special = {text: i for i, text in _special_tokens(dst_tok).items()}
     src_special = _special_tokens(src_tok)
+    dst_bytes = token_bytes(dst_tok)
     rows: list[list[int]] = []
     lens = np.zeros(src_tok.vocab_size, np.int32)
     cache: dict[bytes, list[int]] = {}
@@ -226,7 +229,10 @@ def build_table(src_tok, dst_tok) -> tuple[np.ndarray, np.ndarray]:
             row = cache.get(data)
             if row is None:
                 row = cache[data] = encode_bytes(dst_tok, data)
-            lens[v] = len(row)
+            # a byte the other vocabulary lacks (one never in UTF-8): unmapped, not silently dropped
+            lens[v] = len(row) if bytes(b"".join(dst_bytes[t] or b"" for t in row)) == data else UNMAPPED
+            if lens[v] == UNMAPPED:
+                row = []
         rows.append(row)
     width = max(1, max(len(r) for r in rows))
     ids = np.zeros((len(rows), width), np.int32)
@@ -376,7 +382,7 @@ def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_speci
         special = win_L[0] >= 256
         tok = jnp.where(special, win_L[0] - 256, cand_L[jnp.maximum(best - 1, 0)])
         step_len = jnp.where(special, 1, best)
-        active = pos < total
+        active = (pos < total) & (step_len > 0)  # no match: a byte the destination lacks; stop there
         out_C = out_C.at[t].set(jnp.where(active, tok, 0))
         return (pos + jnp.where(active, step_len, 0), count + active.astype(jnp.int32), out_C)
 
