@@ -8,9 +8,10 @@ re-encodes the same are returned (transformers' assisted generation with `assist
 the same with a look-behind window), so merges across the seam come out canonical.
 
 Also here, for the measurement that chose the device algorithm (`python -m
-experiments.cross_vocab_reference`): `greedy_longest_match`, the alternative device algorithm
-simulated on the host, and `measure`, the agreement of each translation with the target's own
-canonical encoding of the same bytes.
+experiments.cross_vocab_reference`; experiments/results/vocab_bridge.md): `greedy_longest_match`,
+the host simulation of `vocab_bridge`'s default ("greedy", equal to it token for token), and
+`measure`, the agreement of each translation with the target's own canonical encoding of the same
+bytes.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ def measure(src_tok, dst_tok, texts: Sequence[str]) -> dict[str, dict[str, float
     table, lens = vocab_bridge.build_table(src_tok, dst_tok)
     dst_bytes = vocab_bridge.token_bytes(dst_tok)
     algos = {
-        "per-token table (device)": lambda ids, data: vocab_bridge.translate_host(ids, table, lens),
-        "greedy longest match": lambda ids, data: greedy_longest_match(dst_tok, data),
+        "per-token table": lambda ids, data: vocab_bridge.translate_host(ids, table, lens),
+        "greedy longest match (default)": lambda ids, data: greedy_longest_match(dst_tok, data),
         "re-tokenize text (FLy, host)": lambda ids, data: retokenize(src_tok, dst_tok, ids),
     }
     sums = {name: [0, 0, 0, 0, 0] for name in algos}

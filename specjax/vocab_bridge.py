@@ -2,55 +2,65 @@
 
 A draft of another model family speaks its own vocabulary. The compiled loop needs its proposal in
 the target's ids, and the target's committed tokens in the draft's ids (for the draft's own context
-and KV cache). `build_bridge` builds, once on the host, two tables from the two tokenizers; the
-device functions below are pure `jnp` over them (jit- and vmap-able, no host callback):
+and KV cache). `build_bridge` builds, once on the host, tables from the two tokenizers; the device
+functions are pure `jnp` over them (jit- and vmap-able, no host callback):
 
-    bridge = build_bridge(target_tok, draft_tok)            # host, once (check_bridgeable first)
-    ids_K, n, used = draft_to_target(bridge, draft_ids_Kd, n_draft, K)
-    ids_C, m, used = target_to_draft(bridge, target_ids_N, n_target, C)
+    bridge = build_bridge(target_tok, draft_tok, target_name=..., draft_name=...)   # host, once
+    ids_K, n, used = draft_to_target(bridge, draft_ids_Kd, n_draft, K)   # K static
+    ids_C, m, used = target_to_draft(bridge, target_ids_N, n_target, C)  # C static
 
-**Algorithm: a per-token table.** Row `v` of `d2t_ids_VdxW` holds the target's canonical encoding of
-draft token `v`'s bytes alone (its own pre-tokenizer and BPE, no normalizer, so the bytes are kept
-exactly), padded to the widest row W; `d2t_len_Vd[v]` is its length. A row of draft ids translates
-to the concatenation of its tokens' rows (a gather, a cumsum and one scatter). `t2d_*` is the same
-table the other way. The bytes are always preserved exactly: every byte is a token of a byte-level
-vocabulary, so every row exists.
+Both return the ids (0 past the count), the count, and how many source tokens were consumed whole.
 
-Why this one: it is exact on bytes, O(K * W) work per row with no data-dependent loop, and on real
-text it is close to the best a device re-segmentation reaches. We measured it against greedy
-longest-match re-segmentation of the concatenated bytes (what a hash-of-prefixes lookup with
-`jnp.searchsorted` would compute) on 164 HumanEval prompts and 80 MT-Bench questions, with the real
-SmolLM2-135M and Qwen2.5-Coder tokenizers: figures and command in
-experiments/results/vocab_bridge.md. The per-token table matched the target's own canonical
-encoding better than greedy longest-match did (greedy takes the longest vocabulary entry, which is
-often not what BPE's merge order produces), so we ship the table.
+**Algorithms.** Both keep the bytes exactly (a byte-level vocabulary has a token for every byte of
+text), so a translation's bytes are always the source tokens' bytes.
+
+- `"greedy"` (the default): the source tokens' bytes go into one buffer, which is re-cut left to
+  right into the longest destination tokens of at most `match_len` (32) bytes. Each of the C output
+  steps hashes every prefix of the next 32 bytes, finds the hashes with `jnp.searchsorted` in a
+  sorted table of the destination's token hashes, checks the candidates byte by byte (so a hash
+  collision can only cost a shorter match, never wrong bytes), and emits the longest match. Tables:
+  both vocabularies' token bytes (uint8, widest token wide) and hashes: 25 MB for SmolLM2 <-> Qwen2.5.
+- `"table"`: row v of a per-token table holds the destination's canonical encoding of source token
+  v's bytes alone (its pre-tokenizer and BPE, no normalizer); a row of ids becomes the
+  concatenation of its rows (a gather, a cumsum, one scatter). Cheaper, no loop.
+
+Why greedy: measured on the real tokenizers (SmolLM2-135M <-> Qwen2.5-Coder, 164 HumanEval
+prompts, the same with their solutions, 80 MT-Bench questions; experiments/results/vocab_bridge.md,
+`python -m experiments.cross_vocab_reference`), the share of translated tokens that are the target's
+own canonical token at the same byte span is 0.80-0.82 (code) and 0.96 (prose) for greedy against
+0.74-0.77 and 0.91 for the table, and greedy emits 1.00 tokens per canonical token against 1.12-1.14
+for the table on code (the table cannot merge across the draft's token boundaries, so a K-token
+proposal carries 12 % fewer bytes). Neither reaches the host's re-tokenizing of the text (FLy's
+way, 1.0 by construction): greedy takes the longest entry where BPE's merge order may not.
 
 **What does not map one to one, and what we do:**
 
-- *BPE merges across token boundaries.* The target may have one token for bytes the draft split in
-  two ("Ġdef" + "ault" -> "Ġdefault"). The table translates token by token, so such a proposal
-  comes out as the target's tokens of each piece: the same bytes, not the target's canonical
-  segmentation. The target then scores a non-canonical path; verification is unaffected (exact
-  stays exact: it compares the target's own choices), only acceptance may drop there.
-- *Partial UTF-8.* Byte-level tokens may end mid-character. A row is built from the token's bytes:
-  a valid UTF-8 run goes through the pre-tokenizer, a run of bytes that is not valid UTF-8 becomes
-  the other vocabulary's byte tokens. Bytes never change, so a character split over two draft
-  tokens reassembles in the target's ids as its bytes (possibly as two byte tokens).
+- *BPE merges across token boundaries.* "greedy" re-cuts the bytes, so the target's token that spans
+  two draft tokens is found when it is the longest match; "table" keeps the draft's boundaries.
+  Either way a non-canonical segmentation only lowers acceptance: exact verification compares the
+  target's own choices, whatever ids are proposed.
+- *Partial UTF-8.* Byte-level tokens may end mid-character. Both algorithms work on bytes, never on
+  text, so a character split over two draft tokens reassembles in the target's ids (as its bytes).
+  At the end of a proposal the last bytes can be an incomplete character; they stay as they are.
 - *Special and chat tokens.* A special token maps to the other vocabulary's special token with the
-  same text where there is one (ChatML's `<|im_start|>`, `<|im_end|>`, `<|endoftext|>`): a row of
-  length 1. Otherwise its length is `UNMAPPED` (-1) and a translation stops before it: the tokens
-  after it are not translated and `consumed` stops there. Added tokens that are not special
-  (Qwen's `<tool_call>`) are plain text and map by their bytes.
-- *EOS.* It is a special token like the others: the draft's EOS maps to the target's token of the
-  same text if there is one (SmolLM2's `<|im_end|>` -> Qwen's `<|im_end|>`, so the target can
-  accept an end of turn), else the proposal stops before it.
-- *A proposal longer than K.* `draft_to_target` keeps the longest run of whole draft tokens whose
-  translation fits in K target tokens: the proposal is cut at a draft-token boundary, which is also
-  a target-token boundary. `consumed` says how many draft tokens it used, so the caller knows where
-  the draft's own state stands (the draft tokens after it are dropped or re-proposed next round).
+  same text where there is one (ChatML's `<|im_start|>`, `<|im_end|>`, `<|endoftext|>`), as one
+  token. Otherwise a translation stops before it (the tokens after it are not translated; `consumed`
+  stops there). Added tokens that are not special (Qwen's `<tool_call>`) are plain text.
+- *EOS.* A special token like the others: SmolLM2's EOS `<|im_end|>` becomes Qwen's `<|im_end|>`
+  (Qwen2.5-Instruct's EOS), so the target can accept an end of turn; an EOS with no counterpart
+  ends the proposal before it.
+- *Bytes one vocabulary lacks.* SmolLM2 has no token for 21 bytes (control bytes 0x04, 0x06, ...
+  and 0xc0, 0xc1, 0xf1..0xff); a translation stops before a token that needs one.
+- *A proposal longer than K.* `draft_to_target` emits at most K target tokens. "greedy" emits the
+  first K tokens of the re-cut (the last one may end inside a draft token); "table" keeps the
+  longest run of whole draft tokens whose rows fit. `consumed` is the number of draft tokens whose
+  bytes the output covers whole: the draft's own state beyond them is to be rolled back (or the
+  committed target tokens translated back with `target_to_draft`, which is what the draft's cache
+  must hold anyway after verification).
 
 `check_bridgeable` refuses, before anything is built or compiled, a tokenizer that is missing or not
-a byte-level BPE, naming both models.
+a byte-level BPE, naming both models. The module is over 300 lines because it holds both
+algorithms and their host-side table builders, which share the byte helpers.
 """
 
 from __future__ import annotations

@@ -289,4 +289,4 @@ def test_smollm2_qwen_pair():
     got, _, used, _ = _run(bridge, chat, 128, "d2t")
     assert used == len(chat) and qwen.decode(got) == smol.decode(chat)
     m = ref.measure(smol, qwen, [text])
-    assert m["greedy longest match"]["same span"] > 0.5
+    assert m["greedy longest match (default)"]["same span"] > 0.5
