@@ -117,6 +117,36 @@ def measure(src_tok, dst_tok, texts: Sequence[str]) -> dict[str, dict[str, float
             for name, s in sums.items()}
 
 
+def cost(target_tok, draft_tok, *, batch: int = 8, repeats: int = 20) -> None:
+    """Print each algorithm's host build time, table bytes and jitted device time per call
+    (vmap over `batch` rows; K = 8 and 15; target -> draft of K + 1 tokens with cap 4(K + 1))."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    d_ids, t_ids = draft_tok.encode(text), target_tok.encode(text)
+    for algorithm in ("greedy", "table"):
+        start = time.perf_counter()
+        bridge = vocab_bridge.build_bridge(target_tok, draft_tok, algorithm=algorithm)
+        print(f"{algorithm}: build {time.perf_counter() - start:.1f} s, tables {bridge.nbytes / 2**20:.1f} MiB")
+        for K in (8, 15):
+            for name, fn, ids, n, cap in (("draft -> target", vocab_bridge.draft_to_target, d_ids, K, K),
+                                          ("target -> draft", vocab_bridge.target_to_draft, t_ids, K + 1,
+                                           4 * (K + 1))):
+                ids_BxN = jnp.asarray([ids[i:i + n] for i in range(batch)], jnp.int32)
+                n_B = jnp.full((batch,), n, jnp.int32)
+                call = jax.jit(jax.vmap(lambda i, m, fn=fn, cap=cap: fn(bridge, i, m, cap)))
+                jax.block_until_ready(call(ids_BxN, n_B))
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    out = call(ids_BxN, n_B)
+                jax.block_until_ready(out)
+                ms = (time.perf_counter() - start) / repeats * 1e3
+                print(f"  K={K} {name} ({n} tokens, cap {cap}, batch {batch}): {ms:.2f} ms/call")
+
+
 def _texts() -> dict[str, list[str]]:
     from experiments import data
 
@@ -133,11 +163,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draft", default="smollm2-135m-instruct")
     parser.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--cost", action="store_true", help="time the device translation instead")
     args = parser.parse_args(argv)
     toks = {role: Tokenizer.from_gguf(presets.resolve(name))
             for role, name in (("draft", args.draft), ("target", args.target))}
     print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}: "
           f"{args.draft} ({toks['draft'].vocab_size} ids) <-> {args.target} ({toks['target'].vocab_size} ids)\n")
+    if args.cost:
+        cost(toks["target"], toks["draft"])
+        return
     for direction, src, dst in (("draft -> target", "draft", "target"), ("target -> draft", "target", "draft")):
         for corpus, texts in _texts().items():
             print(f"{direction}, {corpus} ({len(texts)} texts)\n")
