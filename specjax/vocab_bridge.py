@@ -19,7 +19,8 @@ text), so a translation's bytes are always the source tokens' bytes.
   steps hashes every prefix of the next 32 bytes, finds the hashes with `jnp.searchsorted` in a
   sorted table of the destination's token hashes, checks the candidates byte by byte (so a hash
   collision can only cost a shorter match, never wrong bytes), and emits the longest match. Tables:
-  both vocabularies' token bytes (uint8, widest token wide) and hashes: 25.4 MiB for SmolLM2 <-> Qwen2.5 (the table: 17.4 MiB).
+  both vocabularies' token bytes (uint8, widest token wide) and hashes: 25.4 MiB for
+  SmolLM2 <-> Qwen2.5 (the table: 17.4 MiB).
 - `"table"`: row v of a per-token table holds the destination's canonical encoding of source token
   v's bytes alone (its pre-tokenizer and BPE, no normalizer); a row of ids becomes the
   concatenation of its rows (a gather, a cumsum, one scatter). Cheaper, no loop: on CPU 0.1 ms

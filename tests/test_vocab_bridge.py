@@ -258,6 +258,19 @@ def test_host_reference_against_device(pair):
     assert _bytes(target, got).endswith(b"return a + b\n")
 
 
+def test_measure_and_bad_settings(tiny_pair):
+    target, draft = tiny_pair
+    m = ref.measure(draft, target, _texts(seed=3, n=10))
+    assert set(m) == {"per-token table", "greedy longest match (default)", "re-tokenize text (FLy, host)"}
+    assert m["re-tokenize text (FLy, host)"]["whole text equal"] == 1.0  # canonical by construction
+    for row in m.values():
+        assert 0 <= row["same position"] <= row["same span"] <= 1
+    with pytest.raises(ValueError, match="unknown translation algorithm 'bpe'"):
+        vb.build_bridge(target, draft, algorithm="bpe")
+    with pytest.raises(ValueError, match="match_len=0"):
+        vb.build_bridge(target, draft, match_len=0)
+
+
 def _gguf(name):
     try:
         from specjax.models import presets
