@@ -42,7 +42,7 @@ LAYERS = [
     ("native", ["specjax.native"]),
     ("sharding", ["specjax.sharding"]),
     ("loader", ["specjax.models.model", "specjax.models"]),
-    ("drafters", ["specjax.drafters", "specjax.metrics"]),
+    ("drafters", ["specjax.drafters", "specjax.metrics", "specjax.vocab_bridge"]),
     ("loop", ["specjax.loop"]),
     ("engine", ["specjax.engine", "specjax.compile_cache", "specjax.aot", "specjax"]),
 ]
