@@ -16,12 +16,18 @@ bytes.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import platform
 from collections.abc import Sequence
 
+from absl import flags
+
+from experiments import _common as C
 from specjax import vocab_bridge
+
+_DRAFT = flags.DEFINE_string("draft", "smollm2-135m-instruct", "Draft model preset (its tokenizer).")
+_TARGET = flags.DEFINE_string("target", "qwen2.5-coder-0.5b-instruct", "Target model preset (its tokenizer).")
+_COST = flags.DEFINE_boolean("cost", False, "Time the device translation instead.")
 
 
 def retokenize(src_tok, dst_tok, ids: Sequence[int], *, context: Sequence[int] = (),
@@ -156,15 +162,12 @@ def _texts() -> dict[str, list[str]]:
             "MT-Bench first turns": data.mtbench_questions()}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv) -> None:
     from specjax.models import presets
     from specjax.models.tokenizer import Tokenizer
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draft", default="smollm2-135m-instruct")
-    parser.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
-    parser.add_argument("--cost", action="store_true", help="time the device translation instead")
-    args = parser.parse_args(argv)
+    del argv
+    args = flags.FLAGS
     toks = {role: Tokenizer.from_gguf(presets.resolve(name))
             for role, name in (("draft", args.draft), ("target", args.target))}
     print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}: "
@@ -184,4 +187,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    C.run_main(main)
