@@ -49,7 +49,7 @@ _CSV = flags.DEFINE_string("csv", "break_even.csv", "Where to write the rows (em
 
 @dataclasses.dataclass(frozen=True)
 class Scripted:
-    """A drafter whose K tokens are the target's own greedy continuation, each replaced by a wrong
+    """A drafter (`drafters.Drafter`) whose K tokens are the target's own greedy continuation, each replaced by a wrong
     token with probability 1 - agreement. params: {"inner": the costed drafter's params,
     "ref_BS": int32[B, S] prompt + target-only tokens at their positions, "agreement": float32[]}.
 
@@ -65,14 +65,20 @@ class Scripted:
     def uses_features(self) -> bool:
         return getattr(self.inner, "uses_features", False)
 
-    def init(self, params, prompt_BT, prompt_len_B, max_len, **features):
-        return () if self.inner is None else self.inner.init(params["inner"], prompt_BT, prompt_len_B, max_len,
-                                                             **features)
+    @property
+    def name(self) -> str:
+        return "scripted" if self.inner is None else f"scripted({self.inner.name})"
+
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None):
+        if self.inner is None:
+            return ()
+        return self.inner.init(params["inner"], prompt_BT, prompt_len_B, max_len, features_BTD=features_BTD,
+                               backend=backend)
 
     def observe(self, state, features_BRD, base_B):
-        return self.inner.observe(state, features_BRD, base_B)
+        return state if self.inner is None else self.inner.observe(state, features_BRD, base_B)
 
-    def propose(self, params, state, seq_BS, lengths_B, key, temperature):
+    def propose(self, params, state, seq_BS, lengths_B, key, temperature, *, backend=None):
         import jax
         import jax.numpy as jnp
 
@@ -83,7 +89,8 @@ class Scripted:
         ref_BK = jnp.take_along_axis(ref_BS, pos_BK, axis=1)
         other_BK = (ref_BK + 1) % self.vocab_size
         if self.inner is not None:
-            d_BK, _, _, state = self.inner.propose(params["inner"], state, seq_BS, lengths_B, key, temperature)
+            d_BK, _, _, state = self.inner.propose(params["inner"], state, seq_BS, lengths_B, key, temperature,
+                                                   backend=backend)
             other_BK = jnp.where(d_BK[:, : self.k] == ref_BK, other_BK, d_BK[:, : self.k])
         right_BK = jax.random.uniform(sub, (B, self.k)) < params["agreement"]
         drafts_BK = jnp.where(right_BK, ref_BK, other_BK)
