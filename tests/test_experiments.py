@@ -401,6 +401,7 @@ def test_a_damaged_model_is_one_line_naming_the_file_in_every_binary(env, tmp_pa
         assert lines[0].startswith(f"error: {bad / 'model.safetensors'}: "), err[-2000:]
 
 
+@pytest.mark.heavy
 def test_ctrl_c_in_sweep_says_where_it_stopped_and_how_to_go_on(env, tmp_path):
     """A long binary's Ctrl-C (as in benchmark, calibrate_*, generate, audit): exit 130, no traceback,
     where the run stands and the command to run."""

@@ -52,6 +52,7 @@ def test_the_kernel_builds_here():
     assert native.available()
 
 
+@pytest.mark.heavy
 def test_a_truncated_cached_library_is_rebuilt_with_one_warning(tmp_path):
     """A library cut short by a killed process used to kill every later run with a bus error
     (exit 135, no message); now it does not match the SHA-256 the build recorded, and the next

@@ -345,6 +345,7 @@ def _docstring_commands():
             if line.strip().startswith("python experiments/train_draft.py")]
 
 
+@pytest.mark.heavy
 def test_the_docstrings_commands_run_as_written_at_small_sizes(env, tmp_path):
     """Each command of the module docstring, its --out in tmp_path, small sizes appended; without a
     --target it runs on random:tiny at the target's width (the SmolLM2 default width is wider than it)."""
