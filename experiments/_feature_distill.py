@@ -244,16 +244,7 @@ def agreement(pred_NT2, labels_NT2, mask_NT2, k: int) -> dict:
     features) and the tau@k these runs would give if later steps did as well: an upper bound,
     since chained steps read predicted features (the engine's tau is the real figure)."""
     agree = (pred_NT2 == labels_NT2) & (labels_NT2 >= 0) & (mask_NT2 > 0)
-    runs = np.zeros(agree.shape, np.int64)
-    for j in range(k):
-        ok = np.ones(agree.shape, bool)
-        for t in range(j + 1):
-            shifted = np.zeros(agree.shape, bool)
-            shifted[:, : agree.shape[1] - t] = agree[:, t:]
-            ok &= shifted
-        runs += ok
-    m = mask_NT2 > 0
-    return {"agree": float(agree[m].mean()), f"tau_at_{k}": float(1.0 + runs[m].mean())}
+    return TL.agreement_stats(agree, mask_NT2 > 0, k)
 
 
 def train(cfg, train_params, frozen, data, val, work: pathlib.Path, *, make_optimizer, steps, batch, lr, warmup,

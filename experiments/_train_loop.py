@@ -154,3 +154,18 @@ def run(params, optimizer, work: pathlib.Path, *, step_fn: Callable, evaluate: C
     if not finite(params):
         diverged(steps, "the parameters are not finite")
     return params
+
+
+def agreement_stats(agree, valid, k: int) -> dict:
+    """{"agree": share of valid positions where the draft agreed, "tau_at_k": mean over valid
+    positions of 1 + the run of agreements starting there, capped at k}: what a round of exact
+    verification starting at each position would accept, had the draft seen the true context."""
+    runs = np.zeros(agree.shape, np.int64)
+    for j in range(k):
+        ok = np.ones(agree.shape, bool)
+        for t in range(j + 1):
+            shifted = np.zeros(agree.shape, bool)
+            shifted[:, : agree.shape[1] - t] = agree[:, t:]
+            ok &= shifted
+        runs += ok
+    return {"agree": float(agree[valid].mean()), f"tau_at_{k}": float(1.0 + runs[valid].mean())}

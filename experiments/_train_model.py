@@ -121,16 +121,7 @@ def acceptance(pred_BT, tokens_BT1, mask_BT, k: int) -> dict:
     draft that agrees is fed the target's own tokens, so the run is what a round starting there
     would accept."""
     agree = (np.asarray(pred_BT) == tokens_BT1[:, 1:]) & (mask_BT > 0)
-    runs = np.zeros(agree.shape, np.int64)
-    for j in range(k):
-        ok = np.ones(agree.shape, bool)
-        for t in range(j + 1):
-            shifted = np.zeros(agree.shape, bool)
-            shifted[:, : agree.shape[1] - t] = agree[:, t:]
-            ok &= shifted
-        runs += ok
-    m = mask_BT > 0
-    return {"agree": float(agree[m].mean()), f"tau_at_{k}": float(1.0 + runs[m].mean())}
+    return TL.agreement_stats(agree, mask_BT > 0, k)
 
 
 def train(cfg, train_params, frozen, tokens, mask, val_tokens, val_mask, work: pathlib.Path, *, steps, batch,

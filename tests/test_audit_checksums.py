@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from experiments import _audit_books as B, _jsonl as J
 from specjax._files import LoadError
+from _interrupt import interrupt_when, interruptible
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,8 +89,6 @@ def test_a_damaged_compressed_ledger_and_run_json_are_named(tmp_path):
     B.check_settings(tmp_path, settings)
 
 
-def _interruptible():
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a background suite starts its children ignoring SIGINT
 
 
 def test_the_binary_ctrl_c_then_finish_then_one_line_for_a_flipped_bit(tmp_path):
@@ -102,18 +100,8 @@ def test_the_binary_ctrl_c_then_finish_then_one_line_for_a_flipped_bit(tmp_path)
            "--k", "2", "--method", "exact", "--mtbench_questions", "2", "--mtbench_max_new_tokens", "4",
            "--humaneval_problems", "0", "--batch_size", "1", "--prompt_bucket", "1024", "--output_dir", str(out)]
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            cwd=ROOT, preexec_fn=_interruptible)
-    err = ""
-    try:
-        while " batch 1/2 target-only:" not in err:  # a completion is saved
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, err[-3000:]
-            err += line
-        proc.send_signal(signal.SIGINT)
-        _, rest = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+                            cwd=ROOT, preexec_fn=interruptible)
+    rest = interrupt_when(proc, " batch 1/2 target-only:")  # a completion is saved
     assert proc.returncode == 130 and "Traceback" not in rest, rest[-2000:]
     assert f"completions are saved in {out}; the same command continues from there" in rest, rest[-2000:]
     assert "[specjax] to go on (or run it again): python " in rest

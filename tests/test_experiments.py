@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _interrupt import interrupt_when, interruptible
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # experiments/ is not an installed package
@@ -405,25 +406,14 @@ def test_a_damaged_model_is_one_line_naming_the_file_in_every_binary(env, tmp_pa
 def test_ctrl_c_in_sweep_says_where_it_stopped_and_how_to_go_on(env, tmp_path):
     """A long binary's Ctrl-C (as in benchmark, calibrate_*, generate, audit): exit 130, no traceback,
     where the run stands and the command to run."""
-    import signal
 
     args = [*TINY[:2], "--draft", "self:1", "--methods", "fly", "--ks", "2", "--thetas",
             ",".join(str(t / 40) for t in range(1, 41)), "--windows", "1", "--num_prompts", "2", "--max_new_tokens",
             "32", "--output_dir", str(tmp_path / "s")]
     proc = subprocess.Popen([sys.executable, str(EXP / "sweep.py"), *args], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    err = ""
-    try:
-        while "theta=0.025," not in err:  # the grid's first point is done
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, err[-3000:]
-            err += line
-        proc.send_signal(signal.SIGINT)
-        _, rest = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+                            preexec_fn=interruptible)
+    rest = interrupt_when(proc, "theta=0.025,")  # the grid's first point is done
     assert proc.returncode == 130 and "Traceback" not in rest, rest[-2000:]
     assert re.search(r"\[specjax\] stopped at grid point \d+/40; the table is written only at the end", rest), rest
     assert "[specjax] to go on (or run it again): python " in rest and not (tmp_path / "s" / "sweep.csv").exists()

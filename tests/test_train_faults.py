@@ -11,7 +11,6 @@ import os
 import pathlib
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from experiments import _train_loop as TL
 from experiments import _train_work as TW
 from experiments import train_draft as T
 from specjax import _files, models
+from _interrupt import interrupt_when, interruptible
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BINARY = os.path.join(ROOT, "experiments", "train_draft.py")
@@ -309,26 +309,14 @@ def test_the_binary_refuses_before_any_work_in_seconds(env, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
-def _interruptible():
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # as tests/test_robustness_files.py: a background suite ignores it
 
 
 def test_ctrl_c_while_training_says_where_the_run_stands_and_how_to_go_on(env, tmp_path):
     out = tmp_path / "d"
     args = ["--target=random:tiny", f"--out={out}", "--width=32", "--head_dim=16", "--layers=1", *SMALL,
             "--steps=1000000", "--ckpt_every=5", "--log_every=5", "--eval_every=1000000"]
-    proc = _start(args, env, preexec_fn=_interruptible)
-    err = ""
-    try:
-        while "step 10/" not in err:  # training, with a checkpoint saved
-            line = proc.stderr.readline()
-            assert line or proc.poll() is None, err[-3000:]
-            err += line
-        proc.send_signal(signal.SIGINT)
-        _, rest = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc = _start(args, env, preexec_fn=interruptible)
+    rest = interrupt_when(proc, "step 10/")  # training, with a checkpoint saved
     assert proc.returncode == 130, rest[-2000:]
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest[-2000:]
     m = re.search(r"training stopped at step (\d+)/1000000; the last checkpoint is step (\d+) in (\S+), where the "
