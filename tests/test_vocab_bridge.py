@@ -1,5 +1,5 @@
 """specjax.vocab_bridge: tables between two byte-level BPE vocabularies and the device translation;
-experiments.cross_vocab_reference, the host re-tokenizing yardstick."""
+experiments._cross_vocab, the host re-tokenizing yardstick."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
 
 from _tokenizer_corpus import CODE, DIGITS, EMOJI, PROSE, UNICODE, WHITESPACE
-from experiments import cross_vocab_reference as ref
+from experiments import _cross_vocab as ref
 from specjax import vocab_bridge as vb
 from specjax.models.tokenizer import Tokenizer
 

@@ -1,0 +1,155 @@
+"""Host-side cross-vocabulary translation, FLy's way: decode to text, re-encode with the other tokenizer.
+
+The yardstick for specjax.vocab_bridge's on-device tables. FLy's published code does this every
+round on the host: the draft's tokens are decoded to text and the text encoded with the target's
+tokenizer (and the committed target tokens back to draft ids). `retokenize` is that; with
+`context`, the context and the new tokens are re-encoded together and the ids after the part that
+re-encodes the same are returned (transformers' assisted generation with `assistant_tokenizer` does
+the same with a look-behind window), so merges across the seam come out canonical.
+
+Also here, for the measurement that chose the device algorithm (the binary
+`experiments/cross_vocab_reference.py`; experiments/results/vocab_bridge.md): `greedy_longest_match`,
+the host simulation of `vocab_bridge`'s default ("greedy", equal to it token for token), and
+`measure`, the agreement of each translation with the target's own canonical encoding of the same
+bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specjax import vocab_bridge
+
+
+
+
+def retokenize(src_tok, dst_tok, ids: Sequence[int], *, context: Sequence[int] = (),
+               cap: int | None = None) -> list[int]:
+    """`ids` of `src_tok` -> ids of `dst_tok`, through text (at most `cap` of them).
+
+    Text, not bytes: a token that ends mid-character decodes to U+FFFD, so the bytes change there;
+    special tokens are decoded to their text and re-encoded, so they map by text where both have them.
+    """
+    if context:
+        before = dst_tok.encode(src_tok.decode(list(context)))
+        both = dst_tok.encode(src_tok.decode(list(context) + list(ids)))
+        same = 0
+        while same < min(len(before), len(both)) and before[same] == both[same]:
+            same += 1
+        # the context's last tokens may re-merge with the new text: only what follows the common part
+        out = both[same:]
+    else:
+        out = dst_tok.encode(src_tok.decode(list(ids)))
+    return out if cap is None else out[:cap]
+
+
+def greedy_longest_match(dst_tok, data: bytes, *, max_len: int = 32) -> list[int]:
+    """The longest vocabulary entry at each position, left to right (entries up to `max_len` bytes):
+    what a device re-segmentation through a sorted hash of byte prefixes would compute."""
+    table = _bytes_index(dst_tok, max_len)
+    out, i = [], 0
+    while i < len(data):
+        for k in range(min(max_len, len(data) - i), 0, -1):
+            tid = table.get(data[i:i + k])
+            if tid is not None:
+                out.append(tid)
+                i += k
+                break
+        else:
+            raise ValueError(f"byte {data[i]:#04x} is not in the vocabulary")
+    return out
+
+
+_INDEX: dict[int, dict[bytes, int]] = {}
+
+
+def _bytes_index(tok, max_len: int) -> dict[bytes, int]:
+    key = id(tok) * 1000 + max_len
+    if key not in _INDEX:
+        index: dict[bytes, int] = {}
+        for i, b in enumerate(vocab_bridge.token_bytes(tok)):
+            if b and len(b) <= max_len and b not in index:
+                index[b] = i
+        _INDEX[key] = index
+    return _INDEX[key]
+
+
+def _agreement(got: list[int], want: list[int], got_bytes, want_bytes) -> tuple[int, int, int]:
+    """(tokens equal at the same position, tokens equal with the same byte span, len(got))."""
+    same_pos = sum(a == b for a, b in zip(got, want))
+    spans, at = set(), 0
+    for t in want:
+        spans.add((at, t))
+        at += len(want_bytes[t])
+    same_span, at = 0, 0
+    for t in got:
+        same_span += (at, t) in spans
+        at += len(got_bytes[t])
+    return same_pos, same_span, len(got)
+
+
+def measure(src_tok, dst_tok, texts: Sequence[str]) -> dict[str, dict[str, float]]:
+    """For each algorithm: how the translation of `src_tok`'s encoding of each text agrees with
+    `dst_tok`'s own encoding of the same bytes (per token at the same position, per token with the
+    same byte span, whole text), plus translated tokens per canonical token."""
+    table, lens = vocab_bridge.build_table(src_tok, dst_tok)
+    dst_bytes = vocab_bridge.token_bytes(dst_tok)
+    algos = {
+        "per-token table": lambda ids, data: vocab_bridge.translate_host(ids, table, lens),
+        "greedy longest match (default)": lambda ids, data: greedy_longest_match(dst_tok, data),
+        "re-tokenize text (FLy, host)": lambda ids, data: retokenize(src_tok, dst_tok, ids),
+    }
+    sums = {name: [0, 0, 0, 0, 0] for name in algos}
+    n_want = 0
+    for text in texts:
+        data = text.encode("utf-8")
+        src = vocab_bridge.encode_bytes(src_tok, data)
+        want = vocab_bridge.encode_bytes(dst_tok, data)
+        n_want += len(want)
+        for name, algo in algos.items():
+            got = algo(src, data)
+            pos, span, n = _agreement(got, want, dst_bytes, dst_bytes)
+            s = sums[name]
+            s[0] += pos; s[1] += span; s[2] += n; s[3] += got == want; s[4] += 1
+    return {name: {"same position": s[0] / s[2], "same span": s[1] / s[2],
+                   "whole text equal": s[3] / s[4], "tokens / canonical": s[2] / n_want}
+            for name, s in sums.items()}
+
+
+def cost(target_tok, draft_tok, *, batch: int = 8, repeats: int = 20) -> None:
+    """Print each algorithm's host build time, table bytes and jitted device time per call
+    (vmap over `batch` rows; K = 8 and 15; target -> draft of K + 1 tokens with cap 4(K + 1))."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    d_ids, t_ids = draft_tok.encode(text), target_tok.encode(text)
+    for algorithm in ("greedy", "table"):
+        start = time.perf_counter()
+        bridge = vocab_bridge.build_bridge(target_tok, draft_tok, algorithm=algorithm)
+        print(f"{algorithm}: build {time.perf_counter() - start:.1f} s, tables {bridge.nbytes / 2**20:.1f} MiB")
+        for K in (8, 15):
+            for name, fn, ids, n, cap in (("draft -> target", vocab_bridge.draft_to_target, d_ids, K, K),
+                                          ("target -> draft", vocab_bridge.target_to_draft, t_ids, K + 1,
+                                           4 * (K + 1))):
+                ids_BxN = jnp.asarray([ids[i:i + n] for i in range(batch)], jnp.int32)
+                n_B = jnp.full((batch,), n, jnp.int32)
+                call = jax.jit(jax.vmap(lambda i, m, fn=fn, cap=cap: fn(bridge, i, m, cap)))
+                jax.block_until_ready(call(ids_BxN, n_B))
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    out = call(ids_BxN, n_B)
+                jax.block_until_ready(out)
+                ms = (time.perf_counter() - start) / repeats * 1e3
+                print(f"  K={K} {name} ({n} tokens, cap {cap}, batch {batch}): {ms:.2f} ms/call")
+
+
+def _texts() -> dict[str, list[str]]:
+    from experiments import data
+
+    problems = data.humaneval_problems()
+    return {"HumanEval prompts": [p["prompt"] for p in problems],
+            "HumanEval prompt + solution": [p["prompt"] + p["canonical_solution"] for p in problems],
+            "MT-Bench first turns": data.mtbench_questions()}
