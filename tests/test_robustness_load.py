@@ -123,18 +123,24 @@ def test_a_gguf_rewritten_in_place_misses_the_cache(tmp_path, cache):
 # --- an unwritable or full cache is a warning ---------------------------------------------------
 
 
+def _loads_uncached_with_one_warning(src, want, caplog, says: str) -> None:
+    """models.load(src) converts, gives the logits `want`, and warns once with `says`: the cache is
+    optional, so a cache that cannot be written never fails the load."""
+    with caplog.at_level(logging.WARNING):
+        m = models.load(src)
+    assert m.load_source == "converted"
+    np.testing.assert_array_equal(np.asarray(m.logits(TOKENS)), want)
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and says in warnings[0], warnings
+
+
 def test_an_unwritable_cache_is_one_warning_and_the_load_goes_on(tmp_path, monkeypatch, caplog):
     src = _hf(tmp_path / "m")
     want = np.asarray(models.load(src, cache=False).logits(TOKENS))
     blocked = tmp_path / "a_file"
     blocked.write_text("not a directory")  # read-only for root too: nothing can be made below a file
     monkeypatch.setenv("SPECJAX_CACHE", str(blocked / "cache"))
-    with caplog.at_level(logging.WARNING):
-        m = models.load(src)
-    assert m.load_source == "converted"
-    np.testing.assert_array_equal(np.asarray(m.logits(TOKENS)), want)
-    warnings = _warnings(caplog)
-    assert len(warnings) == 1 and "could not write the parameter cache" in warnings[0], warnings
+    _loads_uncached_with_one_warning(src, want, caplog, "could not write the parameter cache")
 
 
 def test_a_full_cache_disk_is_one_warning_and_leaves_no_partial_cache(tmp_path, cache, monkeypatch, caplog):
@@ -149,12 +155,7 @@ def test_a_full_cache_disk_is_one_warning_and_leaves_no_partial_cache(tmp_path, 
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ocp.StandardCheckpointer, "save", full)
-    with caplog.at_level(logging.WARNING):
-        m = models.load(src)
-    assert m.load_source == "converted"
-    np.testing.assert_array_equal(np.asarray(m.logits(TOKENS)), want)
-    warnings = _warnings(caplog)
-    assert len(warnings) == 1 and "No space left" in warnings[0], warnings
+    _loads_uncached_with_one_warning(src, want, caplog, "No space left")
     assert [p.name for p in (cache / "params").iterdir()] == []  # the half-written temporary is gone
     monkeypatch.undo()
     monkeypatch.setenv("SPECJAX_CACHE", str(cache))
