@@ -1,12 +1,14 @@
 """Per-shard loading (`models.load(..., mesh=)`, `models.shards`) against the whole-tensor path:
 the same values bit for bit, at the layout's shardings, and orbax restoring the cache at them."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _checkpoints import write_gguf, write_hf
+from _checkpoints import SHAPE, write_gguf, write_hf
 from specjax import Engine, models, sharding
 from specjax.models import convert, quant, shards
 
@@ -42,7 +44,13 @@ def checkpoints(tmp_path_factory):
             "gguf": write_gguf(root / "q8.gguf"),
             "gguf-mixed": write_gguf(root / "mixed.gguf", layer_types=MIXED, tie=True),
             # a weight whose layers are Q8_0 in one and F16 in the other stacks as float (both paths)
-            "gguf-partly": write_gguf(root / "partly.gguf", layer_types=["Q8_0", "F16"])}
+            "gguf-partly": write_gguf(root / "partly.gguf", layer_types=["Q8_0", "F16"]),
+            # 8 query heads / 2 KV heads: a model axis of 4 or 8 repeats each KV head (wide tensor parallelism)
+            "wide-hf-qwen2-bf16": write_hf(root / "wide-hf", shape=WIDE, qwen2=True, dtype="bfloat16"),
+            "wide-gguf-mixed": write_gguf(root / "wide.gguf", shape=WIDE, layer_types=MIXED)}
+
+
+WIDE = {**SHAPE, "num_heads": 8, "num_kv_heads": 2}
 
 
 @pytest.mark.parametrize("name", ["hf", "hf-qwen2-bf16-tied-sharded"])
@@ -154,3 +162,118 @@ def test_orbax_cache_is_restored_at_the_shardings(checkpoints, name, tmp_path, m
     assert_same_tree(first.params, third.params)
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(third.params)):
         assert b.sharding.is_equivalent_to(a.sharding, a.ndim)
+
+
+# --- KV heads repeated per shard (wide tensor parallelism, docs/wide_tp.md) ---------------
+
+
+def _kv_file_bytes(path, name):
+    """Bytes of every layer's k_proj (GGUF attn_k) tensor in the file."""
+    if str(path).endswith(".gguf"):
+        import gguf
+
+        return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith("attn_k.weight"))
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", framework="numpy") as f:
+        return sum(f.get_slice(k)[:].nbytes for k in f.keys() if k.endswith("k_proj.weight"))
+
+
+@pytest.mark.parametrize("mesh_shape,attention", [((2, 4), "repeat_kv"), ((1, 8), "auto")])
+@pytest.mark.parametrize("name,keep_quantized", [("wide-hf-qwen2-bf16", True), ("wide-gguf-mixed", True),
+                                                 ("wide-gguf-mixed", False)])
+def test_wide_load_equals_the_repeated_whole_load(checkpoints, name, keep_quantized, mesh_shape, attention):
+    """Loaded per shard with the KV heads repeated: the model `prepare_model` makes of the whole
+    load (config, name, every parameter bit for bit: bf16 k/v biases, block-quantized and
+    RoPE-reordered GGUF k/v), at the repeated layout's shardings, kept as it is by the Engine."""
+    mc = mesh_config(mesh_shape, attention=attention)
+    placed = models.load(checkpoints[name], mesh=mc, cache=False, keep_quantized=keep_quantized)
+    want = sharding.prepare_model(mc, models.load(checkpoints[name], cache=False, keep_quantized=keep_quantized),
+                                  "target")
+    tp = mesh_shape[1]
+    assert (placed.config, placed.name) == (want.config, want.name) and placed.config.num_kv_heads == tp
+    assert isinstance(placed.params["layers"]["wk"], quant.BlockQuant) == (name.endswith("gguf-mixed")
+                                                                           and keep_quantized)
+    assert_same_tree(want.params, placed.params)
+    layout = sharding.make_layout(mc, placed.config)
+    assert layout.target.attention_sharded  # one KV head per device, not the attention replicated
+    is_sharding = lambda s: isinstance(s, jax.sharding.Sharding)  # noqa: E731
+    for x, s in zip(jax.tree.leaves(placed.params),
+                    jax.tree.leaves(layout.param_shardings(placed.params), is_leaf=is_sharding)):
+        assert x.sharding.is_equivalent_to(s, x.ndim)
+    engine = Engine(placed, draft="pld", method="fly", mesh=mc)
+    assert engine.target.config == placed.config
+    for a, b in zip(jax.tree.leaves(engine.params.target), jax.tree.leaves(placed.params)):
+        assert a is b
+
+
+@pytest.mark.parametrize("name", ["wide-hf-qwen2-bf16", "wide-gguf-mixed"])
+def test_repeated_kv_heads_are_read_once_per_file_head(checkpoints, name):
+    """A device's copy of KV head j reads the file's head j // r and nothing else; placing the
+    repeated wk on a (2, 4) mesh (4 copies of each of the 2 heads) reads the file's k_proj once."""
+    path = checkpoints[name]
+    lazy = (shards.lazy_gguf(path) if name.endswith("gguf-mixed") else shards.lazy_hf_dir(path))[1]
+    wk = shards.repeat_kv(lazy, 4)["layers"]["wk"]
+    whole = full_read(lazy)["layers"]["wk"]
+    per_head = _kv_file_bytes(path, name) // 2
+    mc = mesh_config((2, 4), attention="repeat_kv")
+    if isinstance(wk, quant.BlockQuant):
+        assert wk.shape == (256, 8, 16) and wk.codes.shape[-1] == 8 * 16
+        shards.BYTES_READ.clear()
+        part = wk.codes.read((slice(None), slice(None), slice(None), slice(5 * 16, 6 * 16)))  # KV head 5 -> 1
+        np.testing.assert_array_equal(part, np.asarray(whole.codes)[..., 16:32])
+        assert shards.BYTES_READ["layers"] == per_head
+        wk.codes.read.group.clear()
+    else:
+        assert wk.shape == (2, 256, 8, 16)
+        shards.BYTES_READ.clear()
+        part = wk.read((slice(None), slice(None), slice(2, 4), slice(None)))  # KV heads 2, 3 -> the file's 0
+        np.testing.assert_array_equal(part, np.repeat(whole[:, :, :1], 2, axis=2))
+        assert shards.BYTES_READ["layers"] == per_head
+    # a region over several of the file's heads: each repeated in place (head j <- j // r, not tiled)
+    wide = full_read(shards.repeat_kv(lazy, 4))["layers"]
+    for key in ("wk", "wv", "bk", "bv"):
+        if key in wide:
+            got, base = wide[key], full_read(lazy)["layers"][key]
+            if isinstance(got, quant.BlockQuant):
+                got, base = got.dequantize(), base.dequantize()
+            np.testing.assert_array_equal(np.asarray(got), np.repeat(np.asarray(base), 4, axis=np.ndim(base) - 2))
+    wk = shards.repeat_kv(lazy, 4)["layers"]["wk"]
+    abstract_wk = {"layers": {"wk": shards.abstract(wk)}}
+    spec = sharding.make_layout(mc, dataclasses.replace(
+        shards.lazy_hf_dir(path)[0] if not name.endswith("gguf-mixed") else shards.lazy_gguf(path)[0],
+        num_kv_heads=8)).param_shardings(abstract_wk)
+    shards.BYTES_READ.clear()
+    placed = shards.place({"layers": {"wk": wk}}, spec)["layers"]["wk"]
+    assert shards.BYTES_READ["layers"] == 2 * per_head
+    got = placed.dequantize() if isinstance(placed, quant.BlockQuant) else placed
+    want = whole.dequantize() if isinstance(whole, quant.BlockQuant) else whole
+    np.testing.assert_array_equal(np.asarray(got), np.repeat(np.asarray(want), 4, axis=2))
+
+
+def test_wide_cache_holds_the_repeated_layout(checkpoints, tmp_path, monkeypatch):
+    """The conversion cached by a repeated load is the repeated layout (its own entry), restored
+    per shard at its shardings; a load without the repeat keeps its own entry."""
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    mc = mesh_config((1, 4), attention="repeat_kv")
+    path = checkpoints["wide-hf-qwen2-bf16"]
+    first = models.load(path, mesh=mc)
+    second = models.load(path, mesh=mc, dtype=jnp.bfloat16)
+    assert (first.load_source, second.load_source) == ("converted", "orbax-cache")
+    assert second.config.num_kv_heads == 4 and second.name == first.name
+    want = sharding.prepare_model(mc, models.load(path, cache=False, dtype=jnp.bfloat16), "target")
+    assert_same_tree(want.params, second.params)
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+        assert b.sharding.is_equivalent_to(a.sharding, a.ndim)
+    assert sorted(p.name[-4:] for p in (tmp_path / "params").iterdir()) == ["-kv2"]
+    plain = models.load(path, mesh=mesh_config((1, 2)))  # 2 KV heads divide 2: nothing repeated
+    assert plain.load_source == "converted" and plain.config.num_kv_heads == 2
+
+
+def test_draft_role_repeats_only_a_sharded_draft(checkpoints):
+    path = checkpoints["wide-hf-qwen2-bf16"]
+    shard = models.load(path, mesh=mesh_config((1, 8), attention="repeat_kv"), role="draft", cache=False)
+    assert shard.config.num_kv_heads == 8
+    rep = models.load(path, mesh=mesh_config((1, 8), attention="repeat_kv", draft="replicate"), role="draft",
+                      cache=False)
+    assert rep.config.num_kv_heads == 2 and all(x.sharding.is_fully_replicated for x in jax.tree.leaves(rep.params))

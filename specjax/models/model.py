@@ -188,7 +188,8 @@ def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cach
     keep_quantized = keep_quantized and is_gguf
     ckpt_dir = presets.cache_dir() / "params" / f"{key}-v{_CONVERTER_VERSION}{'-q' if keep_quantized else ''}"
     if mesh is not None:
-        params, how = _load_sharded(path, is_gguf, config, ckpt_dir, dtype, cache, keep_quantized, mesh, role)
+        config, name, params, how = _load_sharded(path, name, is_gguf, config, ckpt_dir, dtype, cache,
+                                                  keep_quantized, mesh, role)
         return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
     params, how = None, "converted"
     if cache and ckpt_dir.parent.is_dir():
@@ -213,8 +214,12 @@ def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cach
     return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
 
 
-def _load_sharded(path, is_gguf, config, ckpt_dir, dtype, cache, keep_quantized, mesh, role):
-    """(placed params, how) where each process reads only its devices' parts (`shards`)."""
+def _load_sharded(path, name, is_gguf, config, ckpt_dir, dtype, cache, keep_quantized, mesh, role):
+    """(config, name, placed params, how) where each process reads only its devices' parts (`shards`).
+
+    The model comes back as `sharding.prepare_model` makes it for this mesh and role: where that
+    repeats the KV heads (a model axis wider than them), each device's copy of a KV head is read
+    from the file's head (`shards.repeat_kv`), so no process reads the KV heads it does not hold."""
     import numpy as np
 
     from specjax import sharding
@@ -229,7 +234,6 @@ def _load_sharded(path, is_gguf, config, ckpt_dir, dtype, cache, keep_quantized,
             raise ValueError(f"loading per shard with attention='pad' would need zero heads appended to "
                              f"{config.num_heads}/{config.num_kv_heads} heads, which is not done per shard; "
                              "load with attention='auto' or 'replicate' (or without mesh=)")
-    layout = sharding.make_layout(mesh_config, config, config if role == "draft" else None)
 
     def lazy(dt):
         return (shards.lazy_gguf(path, dt, keep_quantized=keep_quantized) if is_gguf
@@ -237,18 +241,31 @@ def _load_sharded(path, is_gguf, config, ckpt_dir, dtype, cache, keep_quantized,
 
     # the plan needs shapes only: the lazy tree reads nothing but the checkpoint's metadata
     converted = lazy(np.float32)
+    prepared = (role == "target" or mesh_config.draft == "shard") and sharding.needs_preparing(mesh_config)
+    if prepared:  # the engine's own step, on the abstract model: the same decision and the same errors
+        planned = sharding.prepare_model(mesh_config, Model(config, shards.abstract(converted), name=name), role)
+        r = planned.config.num_kv_heads // config.num_kv_heads
+        if r > 1:  # KV heads repeated (wide tensor parallelism); the cache holds the repeated layout
+            config, name, ckpt_dir = planned.config, planned.name, ckpt_dir.with_name(f"{ckpt_dir.name}-kv{r}")
+            converted = shards.repeat_kv(converted, r)
+    else:
+        r = 1
+    plan_config = mesh_config
+    if role == "draft" and mesh_config.draft == "replicate":  # a replicated draft's plan ignores the heads
+        plan_config = dataclasses.replace(mesh_config, attention="replicate")
+    layout = sharding.make_layout(plan_config, config, config if role == "draft" else None)
     shardings = layout.param_shardings(shards.abstract(converted), role)
     if cache and (ckpt_dir / "config.json").is_file():
         try:
             params = _restore(ckpt_dir, config, shards.abstract(converted), shardings)
-            return jax.tree.map(jnp.asarray, llama.cast_params(params, dtype)), "orbax-cache"
+            return config, name, jax.tree.map(jnp.asarray, llama.cast_params(params, dtype)), "orbax-cache"
         except Exception as e:  # a corrupt or partial cache is ignored, as in the one-process path
             logging.warning("ignoring unreadable parameter cache %s: %s", ckpt_dir, e)
     if cache and jax.process_count() == 1:  # several processes write no cache (see shards)
         params = shards.place(converted, shardings)
         _save_or_warn(ckpt_dir, config, params)
-        return llama.cast_params(params, dtype), "converted"
-    return shards.place(lazy(jnp.dtype(dtype)), shardings), "converted"
+        return config, name, llama.cast_params(params, dtype), "converted"
+    return config, name, shards.place(shards.repeat_kv(lazy(jnp.dtype(dtype)), r), shardings), "converted"
 
 
 def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):

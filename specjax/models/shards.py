@@ -18,6 +18,11 @@ A region is read at the granularity of the first dimension of each group of the 
 flattened axes (heads for [D, H, Dh], rows of the head): the rest is sliced after reading. Our
 sharding rules split only those first dimensions, so nothing beyond the region is read then.
 
+`repeat_kv(lazy, r)` lays the KV projections out as `sharding.repeat_kv_heads` repeats them
+(wide tensor parallelism, docs/wide_tp.md): KV head j of the result is the file's head j // r,
+and a region reads only the file's heads it covers, each once per `place` however many of this
+process's devices hold a copy of it.
+
 `BYTES_READ` counts the checkpoint bytes this process has read, by what they were read for
 ("layers" for the per-layer tensors, "other" for the embedding, head and final norm).
 """
@@ -321,6 +326,71 @@ def _tree(c: Config, tensor, source: str, dtype, quantized: Callable[[list], boo
         return _linear(arg, leaf.in_shape, leaf.out_shape, dtype, what)
 
     return convert.map_spec(c, make)
+
+
+# --- KV heads repeated (wide tensor parallelism) ----------------------------------------
+
+# The KV head axis of each KV leaf in our stacked layout: wk / wv [L, D, G, Dh], bk / bv [L, G, Dh]
+_KV_HEAD_AXES = {"wk": 2, "wv": 2, "bk": 1, "bv": 1}
+
+
+class _Reads:
+    """The file's regions read for one repeated leaf, kept until `clear` (the end of `place`):
+    the devices holding copies of one KV head share one read. `clear` also clears the group of
+    the leaf it wraps (a block-quantized weight's shared extraction)."""
+
+    def __init__(self, inner):
+        self.inner, self.memo = inner, {}
+
+    def clear(self):
+        self.memo.clear()
+        if self.inner is not None:
+            self.inner.clear()
+
+
+def _repeated(x: Lazy, axis: int, r: int, unit: int) -> Lazy:
+    """`x` with each block of `unit` entries along `axis` (a head) repeated r times in place, as
+    `np.repeat` of the heads does (block j of the result is the file's block j // r)."""
+    axis %= len(x.shape)
+    shape = x.shape[:axis] + (x.shape[axis] * r,) + x.shape[axis + 1:]
+    reads = _Reads(getattr(x.read, "group", None))
+
+    def read(index):
+        key = _key(index, shape)
+        a, b = key[axis]
+        h0, h1 = a // unit // r, max(b - 1, a) // unit // r + 1  # the file's heads the region covers
+        inner = _key(tuple(slice(*k) for k in key[:axis]) + (slice(h0 * unit, h1 * unit),)
+                     + tuple(slice(*k) for k in key[axis + 1:]), x.shape)
+        if inner not in reads.memo:
+            reads.memo[inner] = x.read(tuple(slice(*k) for k in inner))
+        part = reads.memo[inner]
+        heads = part.reshape(part.shape[:axis] + (h1 - h0, unit) + part.shape[axis + 1:])
+        part = np.repeat(heads, r, axis=axis).reshape(part.shape[:axis] + (-1,) + part.shape[axis + 1:])
+        start = h0 * r * unit
+        return np.ascontiguousarray(part[(slice(None),) * axis + (slice(a - start, b - start),)])
+
+    read.group = reads
+    return Lazy(shape, x.dtype, read)
+
+
+def repeat_kv(lazy_tree, r: int):
+    """The lazy tree with every KV head of wk / wv (and bk / bv) repeated r times in place, in the
+    order of `sharding.repeat_kv_heads`; `lazy_tree` itself when r == 1. A block-quantized wk / wv
+    ([D, G, Dh] with (G, Dh) flattened on the codes' and scales' last axis) repeats whole heads."""
+    if r == 1:
+        return lazy_tree
+    layers = dict(lazy_tree["layers"])
+    for name, axis in _KV_HEAD_AXES.items():
+        if name not in layers:
+            continue
+        w = layers[name]
+        if isinstance(w, quant.BlockQuant):
+            D, G, Dh = w.shape
+            rep = lambda a: None if a is None else _repeated(a, -1, r, Dh)  # noqa: E731
+            layers[name] = quant.BlockQuant(rep(w.codes), rep(w.scale), rep(w.offset), (D, G * r, Dh))
+        else:
+            layers[name] = _repeated(w, axis, r, 1)
+    return {**lazy_tree, "layers": layers}
 
 
 # --- the two formats ----------------------------------------------------------------------

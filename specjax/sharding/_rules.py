@@ -175,15 +175,17 @@ def prepare_model(mesh_config: MeshConfig, model, what: str):
         if rules.mesh_axes("heads") != rules.mesh_axes("kv_heads"):
             raise ValueError(f"attention='repeat_kv' needs heads and kv_heads on the same mesh axes, got "
                              f"{rules.heads!r} and {rules.kv_heads!r}")
+        if repeated_kv_heads(c, nh) == c.num_kv_heads:  # nothing to repeat (or repeated already: models.load(mesh=))
+            return model
         if _spans_processes(model.params):
-            raise ValueError(f"attention='repeat_kv': the {what}'s parameters were loaded per shard across "
-                             "processes (models.load(mesh=)), where KV heads are not repeated; load it without "
-                             "mesh= or use attention='auto'")
+            raise ValueError(f"attention='repeat_kv': the {what}'s parameters were placed across processes with "
+                             f"{c.num_kv_heads} KV heads, which cannot be repeated where they lie; load it with "
+                             "models.load(..., mesh=) on this mesh (which reads the KV heads repeated) or without mesh=")
         return repeat_kv_heads(model, nh)
     # "auto": only where the heads do not divide as they are and repeating places them
     if (c.num_heads % nh == 0 and c.num_kv_heads % ng == 0) or repeated_kv_heads(c, nh) is None:
         return model
-    if _spans_processes(model.params):  # placed per shard already: its plan replicates the attention
+    if _spans_processes(model.params):  # placed across processes unrepeated: its plan replicates the attention
         return model
     return repeat_kv_heads(model, nh)
 
@@ -241,8 +243,8 @@ def plan_model(config: Config, mesh: Mesh, rules: ShardingRules = ShardingRules(
     elif H % nh or G % ng:
         if attention == "repeat_kv":  # prepare_model repeats them; a config it did not prepare is refused
             raise ValueError(f"{what}: attention='repeat_kv' but {H} heads / {G} KV heads do not divide the model "
-                             f"axis ({nh}): its KV heads must be repeated first (sharding.prepare_model, which Engine applies; "
-                             "models.load(mesh=) loads per shard without repeating them: use attention='auto' there)")
+                             f"axis ({nh}): its KV heads must be repeated first (sharding.prepare_model, which Engine "
+                             "and models.load(mesh=) apply)")
         changes.update(heads=None, kv_heads=None)
         notes.append(f"{what}: {H} heads / {G} kv heads do not divide the model axis ({nh}/{ng}): "
                      "attention replicated, MLP and vocabulary stay sharded")
