@@ -3,7 +3,8 @@ one (2, 4) mesh: the same tokens as one process. Bounded: each process has a har
 
 Per-shard loading: on a (1, 8) mesh the model axis spans both processes, so each process holds
 half of every sharded weight and must read only that half of the checkpoint (counted by the
-loader, `shards.BYTES_READ`)."""
+loader, `shards.BYTES_READ`). With 2 KV heads on that axis each KV head is repeated for 4 devices
+(wide tensor parallelism): each process reads only the file's KV head its devices hold."""
 
 import json
 import os
@@ -117,3 +118,31 @@ def test_each_process_reads_half_of_the_layers(fmt, tmp_path):
         read = info["checkpoint_bytes_read"]["layers"]
         assert read == (layers - norms) // 2 + norms
         assert 0.5 <= read / layers <= 0.5 + norms / layers
+
+
+@pytest.mark.heavy
+def test_wide_tp_each_process_reads_only_its_kv_head(tmp_path):
+    """8 query heads / 2 KV heads (bf16 Qwen2-style safetensors, k/v biases) on a (1, 8) mesh over
+    two processes: "auto" repeats each KV head 4 times, and the per-shard load reads them so. The
+    tokens are those of one device, and each process reads exactly half of every sharded layer
+    tensor (process 0 the file's KV head 0, process 1 head 1) plus the replicated norms."""
+    import _checkpoints
+
+    shape = {**_checkpoints.SHAPE, "num_heads": 8, "num_kv_heads": 2}
+    path = _checkpoints.write_hf(tmp_path / "wide", shape=shape, qwen2=True, dtype="bfloat16")
+    dist = load_distributed()
+    expected, _, _ = dist.run(model=str(path), draft="pld", method="fly", k=2, max_new_tokens=6, prompts=None,
+                              batch=0, seed=0, mesh_shape=None, cache=False)
+    infos = run_two_processes([f"--model={path}", "--draft=pld", "--method=fly", "--k=2", "--max_new_tokens=6",
+                               "--mesh=1,8", "--nocache", "--json"])
+    layers, norms = _layer_bytes(path, "safetensors")
+    # per device, float32: H/TP = 1 query head and 1 KV head (aot.hand_count) and their biases (q, k, v)
+    from specjax import aot
+    from specjax.models import load
+
+    c = load(path, cache=False).config
+    hand = aot.hand_count(c, 8, 1, 8, 64, 4)["params"] + c.num_layers * 3 * c.head_dim * 4
+    for info in infos:
+        assert info["tokens"] == expected
+        assert info["checkpoint_bytes_read"]["layers"] == (layers - norms) // 2 + norms
+        assert info["bytes_per_device"]["target_params"] == hand

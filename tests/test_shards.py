@@ -277,3 +277,14 @@ def test_draft_role_repeats_only_a_sharded_draft(checkpoints):
     rep = models.load(path, mesh=mesh_config((1, 8), attention="repeat_kv", draft="replicate"), role="draft",
                       cache=False)
     assert rep.config.num_kv_heads == 2 and all(x.sharding.is_fully_replicated for x in jax.tree.leaves(rep.params))
+
+
+def test_wide_load_gives_the_tokens_of_one_device(checkpoints):
+    """The per-shard repeated load (bf16 k/v biases) on (2, 4) generates the tokens of the whole
+    load on one device."""
+    path = checkpoints["wide-hf-qwen2-bf16"]
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [11, 12, 13], [3, 1, 4, 1, 5], [9, 9, 9]]
+    run = lambda m, mesh: Engine(m, draft="pld", method="fly", k=2, max_new_tokens=5, eos_ids=(),  # noqa: E731
+                                 mesh=mesh).generate(prompts).tokens
+    mc = mesh_config((2, 4), attention="repeat_kv")
+    assert run(models.load(path, mesh=mc, cache=False), mc) == run(models.load(path, cache=False), None)

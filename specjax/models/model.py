@@ -124,7 +124,9 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
     `Engine(..., mesh=mesh)` places them (`role` "target", or "draft" for a draft model, which
     follows `MeshConfig.draft`), and each process reads only the parts of the checkpoint that
     its devices hold (`shards`, the quantized embedding and head included; a cached conversion
-    is restored by orbax at those shardings).
+    is restored by orbax at those shardings). Where the Engine would repeat the KV heads (a
+    model axis wider than them, docs/wide_tp.md) the model comes back as the Engine prepares
+    the whole load (`sharding.prepare_model`), each device's copy of a KV head read from the file's.
     Pass the same mesh to the Engine: it keeps the placed params as they are.
 
     A damaged, truncated or inconsistent input raises `LoadError` ("<file>: <problem>"); a

@@ -180,7 +180,7 @@ def prepare_model(mesh_config: MeshConfig, model, what: str):
         if _spans_processes(model.params):
             raise ValueError(f"attention='repeat_kv': the {what}'s parameters were placed across processes with "
                              f"{c.num_kv_heads} KV heads, which cannot be repeated where they lie; load it with "
-                             "models.load(..., mesh=) on this mesh (which reads the KV heads repeated) or without mesh=")
+                             "models.load(..., mesh=) on this mesh (which reads them repeated) or without mesh=")
         return repeat_kv_heads(model, nh)
     # "auto": only where the heads do not divide as they are and repeating places them
     if (c.num_heads % nh == 0 and c.num_kv_heads % ng == 0) or repeated_kv_heads(c, nh) is None:
