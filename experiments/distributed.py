@@ -45,9 +45,10 @@ _DRAFT = flags.DEFINE_string("draft", "pld", "none, pld, self:N, tiny (random dr
                              "or a model (preset, .gguf, HF dir) sharing the target's tokenizer.")
 _DRAFT_SHARDING = flags.DEFINE_enum("draft_sharding", "shard", ["shard", "replicate"],
                                     "Shard the draft model like the target, or replicate it.")
-_ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "replicate", "pad"],
-                               "auto: shard heads when they divide the model axis, else replicate attention; "
-                               "pad: append zero heads until they divide.")
+_ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "replicate", "pad", "repeat_kv"],
+                               "auto: shard heads when they divide the model axis, else repeat KV heads where "
+                               "that places them, else replicate attention; repeat_kv: each chip holds the KV "
+                               "head its query heads read; pad: append zero heads until they divide.")
 _METHOD = flags.DEFINE_string("method", "greedy", "Verification method.")
 _K = flags.DEFINE_integer("k", 4, "Draft tokens per round.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 16, "New tokens per prompt.")
