@@ -87,3 +87,69 @@ def test_break_even_scripts_the_agreement_and_exact_keeps_the_target_tokens(tmp_
         else:  # 15 tokens after the prefill's: rounds of 3 (the last cut short by an EOS or the limit)
             assert float(r["tau"]) > 2.0 and float(r["expected_tau"]) == 3.0
     assert "break-even agreement" in out.stdout and "| self:1 | 2 |" in out.stdout
+
+
+def test_benchmark_adaptive_writes_its_ledger_and_table_and_resumes(tmp_path):
+    """random:tiny, one HumanEval prompt, fixed K 1 and 2 with prompt lookup (adaptive too where
+    the Engine has it): a line per measurement and the table; a rerun measures nothing again, and
+    a run cut off (its last line gone) measures only what is missing."""
+    import json
+
+    from experiments import _adaptive_bench
+
+    adaptive = _adaptive_bench.has_adaptive()
+    out_dir = tmp_path / "out"
+    args = [sys.executable, str(EXP / "benchmark_adaptive.py"), "--model=random:tiny", "--drafts=pld",
+            "--methods=exact", "--ks=1,2", "--num_humaneval=1", "--num_mtbench=0", "--max_new_tokens=8",
+            f"--output_dir={out_dir}", "--adaptive" if adaptive else "--noadaptive"]
+
+    def run():
+        out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out, (out_dir / "measurements.jsonl").read_text().splitlines()
+
+    out, lines = run()
+    configs = [json.loads(line)["config"] for line in lines]
+    want = ["target-only", "exact|pld|k=1|fixed", "exact|pld|k=2|fixed"] + (["exact|pld|k=2|adaptive"] if adaptive else [])
+    assert configs == want
+    first = json.loads(lines[1])
+    assert first["tokens"] == 8 and first["tokens_per_s"] > 0 and first["dataset"] == "humaneval"
+    assert first["model"] == "random:tiny" and ("AVX" in first["machine"] or "cores" in first["machine"])
+    table = (out_dir / "table.md").read_text()
+    assert table in out.stdout + "\n" or table.strip() in out.stdout
+    assert "| exact | pld | 2 | fixed | 1 |" in table and "## HumanEval" in table and "## MT-Bench" not in table
+    assert ("## A round with nothing proposed" in table) and (("target steps" in table) == adaptive)
+    _, again = run()
+    assert again == lines  # nothing measured twice
+    (out_dir / "measurements.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    _, resumed = run()
+    assert resumed[:-1] == lines[:-1] and json.loads(resumed[-1])["config"] == configs[-1]
+
+
+def test_benchmark_adaptive_refuses_bad_flags(tmp_path):
+    for flag, message in (("--ks=0,2", "--ks"), ("--drafts=eagle", "--drafts")):
+        out = subprocess.run([sys.executable, str(EXP / "benchmark_adaptive.py"), "--model=random:tiny", flag,
+                              "--noadaptive", f"--output_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_widths_chosen_under_a_cost_table():
+    """The policy's choice from measured acceptance: where a wide verify costs about a step (the
+    H200 profile) long drafts are verified; where it costs many steps (a CPU) short ones."""
+    from experiments import _adaptive_bench as B
+
+    rounds, accepted = 100, [90, 80, 70, 60, 50, 40, 30, 20]  # position j accepted in accepted[j] rounds
+    assert B.expected_tokens(accepted, rounds, 1) == 1.0
+    assert B.expected_tokens(accepted, rounds, 3) == 1.0 + 1.7
+    cheap = B.cost_table(verify_s=tuple(1.0 + 0.05 * w for w in range(9)))
+    dear = B.cost_table(verify_s=tuple(1.0 + 0.8 * w for w in range(9)))
+    assert B.chosen_width(accepted, rounds, cheap, range(1, 10))[0] == 9
+    assert B.chosen_width(accepted, rounds, dear, range(1, 10)) == (2, pytest.approx(1.9 / 1.8))
+    assert B.chosen_width([0] * 8, rounds, cheap, range(1, 10)) == (1, 1.0)  # nothing pays: a plain step
+    for model, draft in (("smollm2-135m-instruct", False), ("qwen2.5-coder-1.5b-instruct", True)):
+        costs = B.h200_costs(model, 15, draft)
+        assert len(costs.verify_s) == 16 and "computed from the H200 profile" in costs.source
+        steps = [v / costs.verify_s[0] for v in costs.verify_s]
+        assert steps[0] == 1.0 and 1.0 < steps[8] < 1.5 and steps == sorted(steps)
+        assert (costs.draft_step_s > 0) == draft
+    assert B.h200_costs("llama-3.1-8b", 15, False) is None
