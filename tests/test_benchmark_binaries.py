@@ -119,11 +119,32 @@ def test_benchmark_adaptive_writes_its_ledger_and_table_and_resumes(tmp_path):
     assert table in out.stdout + "\n" or table.strip() in out.stdout
     assert "| exact | pld | 2 | fixed | 1 |" in table and "## HumanEval" in table and "## MT-Bench" not in table
     assert ("## A round with nothing proposed" in table) and (("target steps" in table) == adaptive)
-    _, again = run()
-    assert again == lines  # nothing measured twice
     (out_dir / "measurements.jsonl").write_text("\n".join(lines[:-1]) + "\n")
-    _, resumed = run()
+    _, resumed = run()  # the others are not measured again
     assert resumed[:-1] == lines[:-1] and json.loads(resumed[-1])["config"] == configs[-1]
+
+
+def test_benchmark_adaptive_table_medians_best_fixed_k_and_verdicts():
+    """Ratios are per prompt against that prompt's target-only run, medians over prompts; the best
+    fixed K is per (rule, drafter); adaptive is judged against it (5%) and against 1.0x."""
+    from experiments import _adaptive_bench as B
+
+    rows = B.rows(["exact"], ["pld"], [2, 4], adaptive=True)
+    speeds = {"target-only": [10, 20, 40], rows[0].label: [12, 20, 44], rows[1].label: [15, 18, 60],
+              rows[2].label: [14, 19, 58]}  # ratios: k2 1.2 1.0 1.1; k4 1.5 0.9 1.5; adaptive 1.4 0.95 1.45
+    lines = [dict(dataset="humaneval", index=i, config=c, tokens_per_s=v, tau=1.0 + i, rounds=10,
+                  accepted_counts=[5, 2, 1, 0][: 2 if "k=2" in c else 4] if c != "target-only" else None,
+                  widths=[0, 3, 2, 0, 0, 5] if "adaptive" in c else None)
+             for c, vs in speeds.items() for i, v in enumerate(vs)]
+    summary = {s["row"].label: s for s in B.summarize(lines, rows)}
+    assert summary[rows[0].label]["ratio"] == pytest.approx(1.1) and summary[rows[1].label]["ratio"] == 1.5
+    adaptive = summary[rows[2].label]
+    assert adaptive["ratio"] == pytest.approx(1.4) and adaptive["best_fixed_k"] == 4
+    assert adaptive["within_5pct"] is False and adaptive["at_least_1x"] is True and adaptive["tau"] == 2.0
+    assert adaptive["widths"] == [0, 9, 6, 0, 0, 15] and summary[rows[1].label]["accepted_counts"] == [15, 6, 3, 0]
+    text = B.table(list(summary.values()), lambda k, model_draft: B.cost_table(verify_s=(1.0,) * (k + 1)))
+    assert "| exact | pld | 4 | adaptive | 3 | 1.40x | 2.00 | 4 (1.50x) | **no** | yes | 1: 9, 2: 6, 5: 15 | - |" in text
+    assert "| exact | pld | 4 | fixed | 3 | 1.50x | 2.00 | 4 (1.50x) | - | - | - | 4 (1.80x) |" in text
 
 
 def test_benchmark_adaptive_refuses_bad_flags(tmp_path):
