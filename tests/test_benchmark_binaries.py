@@ -89,6 +89,7 @@ def test_break_even_scripts_the_agreement_and_exact_keeps_the_target_tokens(tmp_
     assert "break-even agreement" in out.stdout and "| self:1 | 2 |" in out.stdout
 
 
+@pytest.mark.heavy  # three runs of the binary, each compiling its programs: over a minute on a busy machine
 def test_benchmark_adaptive_writes_its_ledger_and_table_and_resumes(tmp_path):
     """random:tiny, one HumanEval prompt, fixed K 1 and 2 with prompt lookup (adaptive too where
     the Engine has it): a line per measurement and the table; a rerun measures nothing again, and
@@ -148,7 +149,7 @@ def test_benchmark_adaptive_table_medians_best_fixed_k_and_verdicts():
 
 
 def test_benchmark_adaptive_refuses_bad_flags(tmp_path):
-    for flag, message in (("--ks=0,2", "--ks"), ("--drafts=eagle", "--drafts")):
+    for flag, message in (("--ks=0,2", "--ks"),):  # each a process: one is enough to see the path
         out = subprocess.run([sys.executable, str(EXP / "benchmark_adaptive.py"), "--model=random:tiny", flag,
                               "--noadaptive", f"--output_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
@@ -174,3 +175,15 @@ def test_widths_chosen_under_a_cost_table():
         assert steps[0] == 1.0 and 1.0 < steps[8] < 1.5 and steps == sorted(steps)
         assert (costs.draft_step_s > 0) == draft
     assert B.h200_costs("llama-3.1-8b", 15, False) is None
+
+
+def test_generate_default_request_compares_medians_and_says_what_it_shows(tmp_path):
+    """README's first command, on a tiny model: the default request, the method against target-only
+    as medians of alternating runs, and the line saying why that request and what chat gives."""
+    out = subprocess.run([sys.executable, str(EXP / "generate.py"), "--model=random:tiny", "--max_new_tokens=6",
+                          "--timing_repeats=2", "--quiet"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ">>> Fix the spelling mistakes in this paragraph:" in out.stdout
+    line = next(line for line in out.stdout.splitlines() if line.startswith("target-only:"))
+    assert "x, tau" in line and line.endswith("medians of 2 runs each")
+    assert "where prompt lookup pays" in out.stdout and "falls back to about target-only speed" in out.stdout
