@@ -40,6 +40,8 @@ _NUM_MT = flags.DEFINE_integer("num_mtbench", 8, "MT-Bench first turns (the firs
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt (EOS ignored, as benchmarks do).")
 _EMPTY = flags.DEFINE_boolean("empty_round", True, "Measure the cost of a round with nothing proposed.")
 _OUT = flags.DEFINE_string("output_dir", None, "Where measurements.jsonl (resumed) and table.md go.")
+_MEASURE = flags.DEFINE_boolean("measure", True, "--nomeasure: only the table of what the ledger holds (while "
+                                "another process is still measuring into it, say).")
 flags.mark_flag_as_required("output_dir")
 
 
@@ -65,28 +67,32 @@ def main(argv):
         if flags.FLAGS[name].value < (1 if name == "max_new_tokens" else 0):
             raise _paths.RunError(f"--{name} is out of range: {flags.FLAGS[name].value}")
 
-    target = _models.load_model(model)
-    draft_models = {"pld": "pld"}
-    if "model" in drafts:
-        draft_models[_DRAFT_MODEL.value] = _models.draft_model(_DRAFT_MODEL.value, target)
     names = ["pld" if d == "pld" else _DRAFT_MODEL.value for d in drafts]
     all_rows = B.rows(methods, names, ks, _ADAPTIVE.value)
     items = B.prompts(_NUM_HE.value, _NUM_MT.value)
     os.makedirs(_OUT.value, exist_ok=True)
-    ledger = _jsonl.Ledger(os.path.join(_OUT.value, "measurements.jsonl"), B.key)
-    settings = dict(model=model, max_new_tokens=_NEW.value, machine=B.machine())
-    runner = B.Runner(target, draft_models, _NEW.value, ledger, settings, log=_cli.log)
-    _cli.log(f"{len(items)} prompts x {len(all_rows) + 1} configurations; {len(ledger)} measured before")
-    _paths.set_status(lambda: f"{len(ledger)} measurements in {ledger.path}; the same command resumes")
-    runner.run(items, all_rows)
-    ledger.close()
+    ledger = _jsonl.Ledger(os.path.join(_OUT.value, "measurements.jsonl"), B.key, read_only=not _MEASURE.value)
+    target = None
+    if _MEASURE.value:
+        target = _models.load_model(model)
+        draft_models = {"pld": "pld"}
+        if "model" in drafts:
+            draft_models[_DRAFT_MODEL.value] = _models.draft_model(_DRAFT_MODEL.value, target)
+        settings = dict(model=model, max_new_tokens=_NEW.value, machine=B.machine())
+        runner = B.Runner(target, draft_models, _NEW.value, ledger, settings, log=_cli.log)
+        _cli.log(f"{len(items)} prompts x {len(all_rows) + 1} configurations; {len(ledger)} measured before")
+        _paths.set_status(lambda: f"{len(ledger)} measurements in {ledger.path}; the same command resumes")
+        runner.run(items, all_rows)
+        ledger.close()
     lines = [l for l in ledger.lines.values() if l.get("model") == model and l.get("max_new_tokens") == _NEW.value]
 
     def h200(k, model_draft):
         return B.h200_costs(model, k, model_draft)
 
+    where = lines[0]["machine"] if lines else B.machine()  # the machine and dates of the measurements
+    dates = sorted({l["date"] for l in lines}) or [datetime.date.today().isoformat()]
     parts = [f"# Fixed K against the adaptive loop: {model}, {_NEW.value} new tokens, batch 1",
-             "", f"{B.machine()}; {datetime.date.today()}. Medians over prompts of each prompt's tokens/s "
+             "", f"{where}; {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}. Medians over prompts of each prompt's tokens/s "
              "over target-only's on the same prompt (interleaved per prompt). The last column: the width the "
              "adaptive policy would choose from the row's measured acceptance under a cost table computed "
              f"from the H200 profile ({B.H200_PROFILE.name}, batch 1), with its expected speedup there."]
@@ -95,7 +101,7 @@ def main(argv):
         if not chosen:
             continue
         parts += ["", f"## {title}", "", B.table(B.summarize(chosen, all_rows), h200, [_DRAFT_MODEL.value])]
-    if _EMPTY.value and items:
+    if _EMPTY.value and items and target is not None:
         empty = B.empty_round_cost(target, target.tokenizer.chat_prompt_ids(items[0][2]), ks[-1], _NEW.value)
         parts += ["", "## A round with nothing proposed", ""]
         parts.append("not measured: this specjax has no adaptive loop" if empty is None else
