@@ -165,9 +165,10 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
             model, restore = _load_cached(path, name, key, is_gguf, start, dtype, keep_quantized)
             if model is not None:
                 return model
-        config, tokenizer = _read_config_and_tokenizer(path, is_gguf)
+        reader = convert.open_gguf(path) if is_gguf else None  # read once, for the config, tokenizer and weights
+        config, tokenizer = _read_config_and_tokenizer(path, is_gguf, reader)
         return _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cache and restore,
-                            keep_quantized, mesh, role, save=cache)
+                            keep_quantized, mesh, role, save=cache, reader=reader)
     except LoadError as e:  # a problem found where the file was not known yet: name the source
         raise e.with_path(path) from e.__cause__
 
@@ -219,7 +220,7 @@ def _load_cached(path, name, key, is_gguf, start, dtype, keep_quantized) -> tupl
 
 
 def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cache, keep_quantized, mesh, role,
-                 save=None):
+                 save=None, reader=None):
     save = cache if save is None else save  # restore=False, save=True: a cache already found damaged
     ckpt_dir = _cache_dir(key, is_gguf, keep_quantized)
     keep_quantized = keep_quantized and is_gguf
@@ -235,7 +236,7 @@ def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cach
             logging.warning("parameter cache %s failed its check (%s); rebuilding it from %s", ckpt_dir,
                             str(e).splitlines()[0][:300], path)
     if params is None:
-        params = (convert.load_gguf(path, keep_quantized=keep_quantized)[1] if is_gguf
+        params = (convert.load_gguf(path, keep_quantized=keep_quantized, reader=reader)[1] if is_gguf
                   else convert.load_hf_dir(path)[1])
         if save:
             _save_or_warn(ckpt_dir, config, params, tokenizer)
@@ -282,11 +283,11 @@ def _load_sharded(path, is_gguf, config, ckpt_dir, dtype, cache, keep_quantized,
     return shards.place(lazy(jnp.dtype(dtype)), shardings), "converted"
 
 
-def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
+def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool, reader=None):
     from specjax.models import tokenizer as tokenizer_lib
 
     if is_gguf:
-        reader = convert.open_gguf(path)
+        reader = convert.open_gguf(path) if reader is None else reader
         config = convert.gguf_config(reader, path)[0]
         try:
             return config, tokenizer_lib.Tokenizer.from_gguf(reader)
