@@ -195,3 +195,20 @@ def test_the_cache_check_expects_the_models_own_shapes(changes):
     params["layers"]["wq"] = np.zeros((3, 64, 8, 4), np.float32)
     with pytest.raises(model_lib.CacheError, match="wq"):
         model_lib._check_tree(config, params)
+
+
+def test_a_cache_without_the_tokenizer_is_served_then_completed(tiny_dir, tmp_path, monkeypatch, caplog):
+    """A cache written before the tokenizer was kept (or by the per-shard path) still serves its
+    weights, and is rewritten once with the tokenizer, so that later loads read only the cache."""
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    fresh = models.load(tiny_dir, cache=False)
+    first, _ = _load(tiny_dir, caplog)
+    ckpt = _cache(tmp_path)
+    model_lib._save(ckpt, first.config, jax.tree.map(np.asarray, first.params))  # the older layout: no tokenizer
+    assert not (ckpt / model_lib._TOKENIZER).exists()
+    m, warnings = _load(tiny_dir, caplog)
+    assert m.load_source == "orbax-cache" and not warnings and (ckpt / model_lib._TOKENIZER).is_file()
+    model_lib._verify(ckpt)  # rewritten whole: its manifest lists the new file
+    tokens = np.array([[1, 5, 9, 200]])
+    np.testing.assert_array_equal(np.asarray(m.logits(tokens)), np.asarray(fresh.logits(tokens)))
+    assert _load(tiny_dir, caplog)[0].load_source == "orbax-cache"

@@ -235,6 +235,10 @@ def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cach
         except Exception as e:  # a corrupt, partial or altered cache is rebuilt, never trusted
             logging.warning("parameter cache %s failed its check (%s); rebuilding it from %s", ckpt_dir,
                             str(e).splitlines()[0][:300], path)
+    if params is not None and save and not (ckpt_dir / _TOKENIZER).is_file():
+        # a cache from before the tokenizer was kept (or from the per-shard path): rewritten whole
+        # once, with it, so that later loads need not parse the source
+        _save_or_warn(ckpt_dir, config, params, tokenizer)
     if params is None:
         params = (convert.load_gguf(path, keep_quantized=keep_quantized, reader=reader)[1] if is_gguf
                   else convert.load_hf_dir(path)[1])
