@@ -92,7 +92,8 @@ def main(argv):
     where = lines[0]["machine"] if lines else B.machine()  # the machine and dates of the measurements
     dates = sorted({l["date"] for l in lines}) or [datetime.date.today().isoformat()]
     parts = [f"# Fixed K against the adaptive loop: {model}, {_NEW.value} new tokens, batch 1",
-             "", f"{where}; {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}. Medians over prompts of each prompt's tokens/s "
+             "", f"{where}; {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}. "
+             "Medians over prompts of each prompt's tokens/s "
              "over target-only's on the same prompt (interleaved per prompt). The last column: the width the "
              "adaptive policy would choose from the row's measured acceptance under a cost table computed "
              f"from the H200 profile ({B.H200_PROFILE.name}, batch 1), with its expected speedup there."]
@@ -105,7 +106,8 @@ def main(argv):
         empty = B.empty_round_cost(target, target.tokenizer.chat_prompt_ids(items[0][2]), ks[-1], _NEW.value)
         parts += ["", "## A round with nothing proposed", ""]
         parts.append("not measured: this specjax has no adaptive loop" if empty is None else
-                     f"{empty['steps']:.3f} target steps (prompt lookup, exact, K={empty['k']}, every round at width 1; "
+                     f"{empty['steps']:.3f} target steps (prompt lookup, exact, K={empty['k']}, "
+                     "every round at width 1; "
                      f"{empty['lone_s']:.3f}s against target-only's {empty['base_s']:.3f}s for {empty['tokens']} "
                      f"tokens, medians of {empty['repeats']})")
     costs = h200(ks[-1], False)

@@ -1,6 +1,6 @@
 r"""Generates text with specjax and prints it with its statistics.
 
-    python experiments/generate.py                          # SmolLM2 edits a paragraph: prompt lookup + FLy, beside target-only
+    python experiments/generate.py                          # SmolLM2 edits a paragraph; pld + FLy beside target-only
     python experiments/generate.py --prompt "Write a quicksort in Python." --max_new_tokens 200
     python experiments/generate.py --draft none             # target-only decoding alone
     python experiments/generate.py --draft pld --method asd --budget 4

@@ -136,8 +136,8 @@ def test_tokenizer_state_rebuilds_the_same_tokenizer(pre, tmp_path):
     for messages in CONVERSATIONS:
         assert back.apply_chat_template(messages) == tok.apply_chat_template(messages)
     state = tok.to_state()
-    for bad in ({**state, "version": 2}, {**state, "backend": "{"}, {k: v for k, v in state.items() if k != "eos_token_id"},
-                {**state, "eos_token_id": 10 ** 6}, []):
+    for bad in ({**state, "version": 2}, {**state, "backend": "{"}, {**state, "eos_token_id": 10 ** 6}, [],
+                {k: v for k, v in state.items() if k != "eos_token_id"}):
         with pytest.raises(ValueError):
             Tokenizer.from_state(bad)
 
