@@ -4,6 +4,9 @@ Dequantizing a GGUF costs seconds; the converted float32 parameters are saved
 with orbax under the cache directory, keyed by the source's identity, with the
 config and the tokenizer beside them, so the second load reads only the cache
 (parsing a GGUF's metadata alone costs seconds: its tokenizer fields).
+
+Over 450 lines: the cache's write, check and restore stay beside the two load paths (one
+process, per shard) that share them; split them out together if either grows.
 """
 
 from __future__ import annotations
