@@ -87,3 +87,105 @@ def test_break_even_scripts_the_agreement_and_exact_keeps_the_target_tokens(tmp_
         else:  # 15 tokens after the prefill's: rounds of 3 (the last cut short by an EOS or the limit)
             assert float(r["tau"]) > 2.0 and float(r["expected_tau"]) == 3.0
     assert "break-even agreement" in out.stdout and "| self:1 | 2 |" in out.stdout
+
+
+@pytest.mark.heavy  # three runs of the binary, each compiling its programs: over a minute on a busy machine
+def test_benchmark_adaptive_writes_its_ledger_and_table_and_resumes(tmp_path):
+    """random:tiny, one HumanEval prompt, fixed K 1 and 2 with prompt lookup (adaptive too where
+    the Engine has it): a line per measurement and the table; a rerun measures nothing again, and
+    a run cut off (its last line gone) measures only what is missing."""
+    import json
+
+    from experiments import _adaptive_bench
+
+    adaptive = _adaptive_bench.has_adaptive()
+    out_dir = tmp_path / "out"
+    args = [sys.executable, str(EXP / "benchmark_adaptive.py"), "--model=random:tiny", "--drafts=pld",
+            "--methods=exact", "--ks=1,2", "--num_humaneval=1", "--num_mtbench=0", "--max_new_tokens=8",
+            f"--output_dir={out_dir}", "--adaptive" if adaptive else "--noadaptive"]
+
+    def run():
+        out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out, (out_dir / "measurements.jsonl").read_text().splitlines()
+
+    out, lines = run()
+    configs = [json.loads(line)["config"] for line in lines]
+    want = ["target-only", "exact|pld|k=1|fixed", "exact|pld|k=2|fixed"]
+    want += ["exact|pld|k=2|adaptive"] if adaptive else []
+    assert configs == want
+    first = json.loads(lines[1])
+    assert first["tokens"] == 8 and first["tokens_per_s"] > 0 and first["dataset"] == "humaneval"
+    assert first["model"] == "random:tiny" and ("AVX" in first["machine"] or "cores" in first["machine"])
+    table = (out_dir / "table.md").read_text()
+    assert table in out.stdout + "\n" or table.strip() in out.stdout
+    assert "| exact | pld | 2 | fixed | 1 |" in table and "## HumanEval" in table and "## MT-Bench" not in table
+    assert ("## A round with nothing proposed" in table) and (("target steps" in table) == adaptive)
+    (out_dir / "measurements.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    _, resumed = run()  # the others are not measured again
+    assert resumed[:-1] == lines[:-1] and json.loads(resumed[-1])["config"] == configs[-1]
+
+
+def test_benchmark_adaptive_table_medians_best_fixed_k_and_verdicts():
+    """Ratios are per prompt against that prompt's target-only run, medians over prompts; the best
+    fixed K is per (rule, drafter); adaptive is judged against it (5%) and against 1.0x."""
+    from experiments import _adaptive_bench as B
+
+    rows = B.rows(["exact"], ["pld"], [2, 4], adaptive=True)
+    speeds = {"target-only": [10, 20, 40], rows[0].label: [12, 20, 44], rows[1].label: [15, 18, 60],
+              rows[2].label: [14, 19, 58]}  # ratios: k2 1.2 1.0 1.1; k4 1.5 0.9 1.5; adaptive 1.4 0.95 1.45
+    lines = [dict(dataset="humaneval", index=i, config=c, tokens_per_s=v, tau=1.0 + i, rounds=10,
+                  accepted_counts=[5, 2, 1, 0][: 2 if "k=2" in c else 4] if c != "target-only" else None,
+                  widths=[0, 3, 2, 0, 0, 5] if "adaptive" in c else None)
+             for c, vs in speeds.items() for i, v in enumerate(vs)]
+    summary = {s["row"].label: s for s in B.summarize(lines, rows)}
+    assert summary[rows[0].label]["ratio"] == pytest.approx(1.1) and summary[rows[1].label]["ratio"] == 1.5
+    adaptive = summary[rows[2].label]
+    assert adaptive["ratio"] == pytest.approx(1.4) and adaptive["best_fixed_k"] == 4
+    assert adaptive["within_5pct"] is False and adaptive["at_least_1x"] is True and adaptive["tau"] == 2.0
+    assert adaptive["widths"] == [0, 9, 6, 0, 0, 15] and summary[rows[1].label]["accepted_counts"] == [15, 6, 3, 0]
+    text = B.table(list(summary.values()), lambda k, model_draft: B.cost_table(verify_s=(1.0,) * (k + 1)))
+    row = "| exact | pld | 4 | adaptive | 3 | 1.40x | 2.00 | 4 (1.50x) | **no** | yes | 1: 9, 2: 6, 5: 15 | - |"
+    assert row in text
+    assert "| exact | pld | 4 | fixed | 3 | 1.50x | 2.00 | 4 (1.50x) | - | - | - | 4 (1.80x) |" in text
+
+
+def test_benchmark_adaptive_refuses_bad_flags(tmp_path):
+    for flag, message in (("--ks=0,2", "--ks"),):  # each a process: one is enough to see the path
+        out = subprocess.run([sys.executable, str(EXP / "benchmark_adaptive.py"), "--model=random:tiny", flag,
+                              "--noadaptive", f"--output_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_widths_chosen_under_a_cost_table():
+    """The policy's choice from measured acceptance: where a wide verify costs about a step (the
+    H200 profile) long drafts are verified; where it costs many steps (a CPU) short ones."""
+    from experiments import _adaptive_bench as B
+
+    rounds, accepted = 100, [90, 80, 70, 60, 50, 40, 30, 20]  # position j accepted in accepted[j] rounds
+    assert B.expected_tokens(accepted, rounds, 1) == 1.0
+    assert B.expected_tokens(accepted, rounds, 3) == 1.0 + 1.7
+    cheap = B.cost_table(verify_s=tuple(1.0 + 0.05 * w for w in range(9)))
+    dear = B.cost_table(verify_s=tuple(1.0 + 0.8 * w for w in range(9)))
+    assert B.chosen_width(accepted, rounds, cheap, range(1, 10))[0] == 9
+    assert B.chosen_width(accepted, rounds, dear, range(1, 10)) == (2, pytest.approx(1.9 / 1.8))
+    assert B.chosen_width([0] * 8, rounds, cheap, range(1, 10)) == (1, 1.0)  # nothing pays: a plain step
+    for model, draft in (("smollm2-135m-instruct", False), ("qwen2.5-coder-1.5b-instruct", True)):
+        costs = B.h200_costs(model, 15, draft)
+        assert len(costs.verify_s) == 16 and "computed from the H200 profile" in costs.source
+        steps = [v / costs.verify_s[0] for v in costs.verify_s]
+        assert steps[0] == 1.0 and 1.0 < steps[8] < 1.5 and steps == sorted(steps)
+        assert (costs.draft_step_s > 0) == draft
+    assert B.h200_costs("llama-3.1-8b", 15, False) is None
+
+
+def test_generate_default_request_compares_medians_and_says_what_it_shows(tmp_path):
+    """README's first command, on a tiny model: the default request, the method against target-only
+    as medians of alternating runs, and the line saying why that request and what chat gives."""
+    out = subprocess.run([sys.executable, str(EXP / "generate.py"), "--model=random:tiny", "--max_new_tokens=6",
+                          "--timing_repeats=2", "--quiet"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ">>> Fix the spelling mistakes in this paragraph:" in out.stdout
+    line = next(line for line in out.stdout.splitlines() if line.startswith("target-only:"))
+    assert "x, tau" in line and line.endswith("medians of 2 runs each")
+    assert "where prompt lookup pays" in out.stdout and "falls back to about target-only speed" in out.stdout

@@ -115,3 +115,100 @@ def test_quantized_cache_with_emptied_metadata_is_refused(tiny_dir, tmp_path):
         (ckpt / "manifest.json").write_text(json.dumps({"version": 1, "sha256": model_lib._file_hashes(ckpt)}))
         with pytest.raises(model_lib.CacheError):
             model_lib._restore(ckpt, config)
+
+
+@pytest.mark.parametrize("pre", ["smollm", "qwen2", "llama-bpe"])
+def test_tokenizer_state_rebuilds_the_same_tokenizer(pre, tmp_path):
+    """The cache keeps the tokenizer as `to_state()`: what comes back encodes, decodes and
+    templates as the one built from the GGUF's metadata, and a damaged state is refused."""
+    pytest.importorskip("gguf")
+    from _tokenizer_corpus import CONVERSATIONS, CORPUS, _write_gguf
+
+    from specjax.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf", pre=pre, bos=1, add_bos=True))
+    back = Tokenizer.from_state(json.loads(json.dumps(tok.to_state())))
+    for name in Tokenizer._STATE_FIELDS:
+        assert getattr(back, name) == getattr(tok, name), name
+    for text in CORPUS:
+        assert back.encode(text, add_special_tokens=True) == tok.encode(text, add_special_tokens=True)
+        assert back.decode(tok.encode(text)) == tok.decode(tok.encode(text))
+    for messages in CONVERSATIONS:
+        assert back.apply_chat_template(messages) == tok.apply_chat_template(messages)
+    state = tok.to_state()
+    for bad in ({**state, "version": 2}, {**state, "backend": "{"}, {**state, "eos_token_id": 10 ** 6}, [],
+                {k: v for k, v in state.items() if k != "eos_token_id"}):
+        with pytest.raises(ValueError):
+            Tokenizer.from_state(bad)
+
+
+def test_a_warm_load_reads_nothing_of_the_source_but_its_stat(tmp_path, monkeypatch, caplog):
+    """Config, tokenizer and weights all come from the cache: the source's files are not opened."""
+    pytest.importorskip("gguf")
+    from _tokenizer_corpus import CORPUS, _write_gguf
+
+    from specjax.models import convert
+    from specjax.models.tokenizer import Tokenizer
+
+    src = tmp_path / "hf"
+    _save_tiny_hf("llama-gqa-tied", src)
+    tok = Tokenizer.from_gguf(_write_gguf(tmp_path / "t.gguf"))
+    tok.backend.save(str(src / "tokenizer.json"))
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    fresh, _ = _load(src, caplog)
+    assert fresh.load_source == "converted" and fresh.tokenizer is not None
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a warm load read the source")
+
+    with monkeypatch.context() as m:
+        for module, fn in ((model_lib, "_read_config_and_tokenizer"), (convert, "load_hf_dir"),
+                           (convert, "config_from_json"), (Tokenizer, "from_dir")):
+            m.setattr(module, fn, refuse)
+        warm, warnings = _load(src, caplog)
+    assert warm.load_source == "orbax-cache" and not warnings
+    assert warm.config == fresh.config
+    for text in CORPUS:
+        assert warm.tokenizer.encode(text) == fresh.tokenizer.encode(text)
+    tokens = np.array([[1, 5, 9, 200]])
+    np.testing.assert_array_equal(np.asarray(warm.logits(tokens)), np.asarray(fresh.logits(tokens)))
+    # a tokenizer file replaced in the source: its stat changes the key, so the cache is not served
+    tok.backend.save(str(src / "tokenizer.json"))
+    assert _load(src, caplog)[0].load_source == "converted"
+
+
+@pytest.mark.parametrize("changes", [{}, {"qkv_bias": True}, {"tie_embeddings": True, "num_kv_heads": 4}])
+def test_the_cache_check_expects_the_models_own_shapes(changes):
+    """`_check_tree` compares with shapes from `convert.param_spec` (no tracing): they are the
+    module's own, leaf for leaf."""
+    import dataclasses
+
+    from specjax.models import llama
+    from specjax.models.config import Config
+
+    config = dataclasses.replace(Config(vocab_size=211, hidden_size=64, intermediate_size=96, num_layers=3,
+                                        num_heads=8, num_kv_heads=2, head_dim=8), **changes)
+    want = jax.tree.map(lambda x: tuple(x.shape), llama.param_shapes(config))
+    assert model_lib.expected_shapes(config) == want
+    params = jax.tree.map(lambda s: np.zeros(s, np.float32), want, is_leaf=lambda x: isinstance(x, tuple))
+    model_lib._check_tree(config, params)
+    params["layers"]["wq"] = np.zeros((3, 64, 8, 4), np.float32)
+    with pytest.raises(model_lib.CacheError, match="wq"):
+        model_lib._check_tree(config, params)
+
+
+def test_a_cache_without_the_tokenizer_is_served_then_completed(tiny_dir, tmp_path, monkeypatch, caplog):
+    """A cache written before the tokenizer was kept (or by the per-shard path) still serves its
+    weights, and is rewritten once with the tokenizer, so that later loads read only the cache."""
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    fresh = models.load(tiny_dir, cache=False)
+    first, _ = _load(tiny_dir, caplog)
+    ckpt = _cache(tmp_path)
+    model_lib._save(ckpt, first.config, jax.tree.map(np.asarray, first.params))  # the older layout: no tokenizer
+    assert not (ckpt / model_lib._TOKENIZER).exists()
+    m, warnings = _load(tiny_dir, caplog)
+    assert m.load_source == "orbax-cache" and not warnings and (ckpt / model_lib._TOKENIZER).is_file()
+    model_lib._verify(ckpt)  # rewritten whole: its manifest lists the new file
+    tokens = np.array([[1, 5, 9, 200]])
+    np.testing.assert_array_equal(np.asarray(m.logits(tokens)), np.asarray(fresh.logits(tokens)))
+    assert _load(tiny_dir, caplog)[0].load_source == "orbax-cache"

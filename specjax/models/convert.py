@@ -295,16 +295,17 @@ def gguf_fields(reader) -> dict:
     return out
 
 
-def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True):
+def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True, reader=None):
     """(Config, params, metadata) from a GGUF file.
 
     Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K weight matrices (layers, embedding, LM head) stay
     block-quantized (`quant.BlockQuant`, bit-identical values) when `keep_quantized`; every
-    other tensor is dequantized to float32 by gguf.quants.
+    other tensor is dequantized to float32 by gguf.quants. `reader`: the file's `open_gguf`,
+    when the caller has one (parsing a GGUF's metadata costs seconds: its tokenizer's fields).
     """
     import gguf  # the format library: parsing and dequantization
 
-    reader = open_gguf(path)
+    reader = open_gguf(path) if reader is None else reader
     c, fields = gguf_config(reader, path)
     by_hf = gguf_tensors(reader, c, path)
     permute = c.architecture == "llama"

@@ -1,8 +1,12 @@
 """`Model = (config, params, tokenizer)` and `load()`: presets, GGUF files, HF dirs.
 
 Dequantizing a GGUF costs seconds; the converted float32 parameters are saved
-with orbax under the cache directory, keyed by the source's identity, so the
-second load only reads arrays back.
+with orbax under the cache directory, keyed by the source's identity, with the
+config and the tokenizer beside them, so the second load reads only the cache
+(parsing a GGUF's metadata alone costs seconds: its tokenizer fields).
+
+Over 450 lines: the cache's write, check and restore stay beside the two load paths (one
+process, per shard) that share them; split them out together if either grows.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from specjax._files import LoadError
 from specjax.models import convert, llama, presets, quant
-from specjax.models.config import Config
+from specjax.models.config import Config, RopeScaling
 
 _CONVERTER_VERSION = 3  # bump when the parameter tree or conversion changes
 
@@ -161,9 +165,15 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
     try:
         if key is None:
             key = _source_key(path, is_gguf)
-        config, tokenizer = _read_config_and_tokenizer(path, is_gguf)
-        return _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cache, keep_quantized,
-                            mesh, role)
+        restore = True
+        if mesh is None and cache:
+            model, restore = _load_cached(path, name, key, is_gguf, start, dtype, keep_quantized)
+            if model is not None:
+                return model
+        reader = convert.open_gguf(path) if is_gguf else None  # read once, for the config, tokenizer and weights
+        config, tokenizer = _read_config_and_tokenizer(path, is_gguf, reader)
+        return _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cache and restore,
+                            keep_quantized, mesh, role, save=cache, reader=reader)
     except LoadError as e:  # a problem found where the file was not known yet: name the source
         raise e.with_path(path) from e.__cause__
 
@@ -186,19 +196,44 @@ def _source_key(path: pathlib.Path, is_gguf: bool) -> str:
     return hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:24]
 
 
-def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cache, keep_quantized, mesh, role):
+def _cache_dir(key: str, is_gguf: bool, keep_quantized: bool) -> pathlib.Path:
+    quantized = keep_quantized and is_gguf
+    return presets.cache_dir() / "params" / f"{key}-v{_CONVERTER_VERSION}{'-q' if quantized else ''}"
+
+
+def _load_cached(path, name, key, is_gguf, start, dtype, keep_quantized) -> tuple[Model | None, bool]:
+    """(the model from the cache alone, or None; whether the caller should still try the cache).
+    A warm load stats the source (its key) and reads the cache: config, tokenizer and arrays,
+    every file checked against the manifest. A cache written without the tokenizer (by the
+    per-shard path) is left to `_load_params`, which reads those from the source."""
+    ckpt_dir = _cache_dir(key, is_gguf, keep_quantized)
+    if ckpt_dir.parent.is_dir():
+        try:
+            _remove_stale_temporaries(ckpt_dir.parent)
+        except OSError:  # a read-only cache: its temporaries stay, as does the load
+            pass
+    if not (ckpt_dir / _TOKENIZER).is_file():
+        return None, True
+    try:
+        config, params, tokenizer = _restore_model(ckpt_dir)
+    except Exception as e:  # a corrupt, partial or altered cache is rebuilt, never trusted
+        logging.warning("parameter cache %s failed its check (%s); rebuilding it from %s", ckpt_dir,
+                        str(e).splitlines()[0][:300], path)
+        return None, False
+    params = jax.tree.map(jnp.asarray, llama.cast_params(params, dtype))
+    return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, "orbax-cache"), False
+
+
+def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cache, keep_quantized, mesh, role,
+                 save=None, reader=None):
+    save = cache if save is None else save  # restore=False, save=True: a cache already found damaged
+    ckpt_dir = _cache_dir(key, is_gguf, keep_quantized)
     keep_quantized = keep_quantized and is_gguf
-    ckpt_dir = presets.cache_dir() / "params" / f"{key}-v{_CONVERTER_VERSION}{'-q' if keep_quantized else ''}"
     if mesh is not None:
         config, name, params, how = _load_sharded(path, name, is_gguf, config, ckpt_dir, dtype, cache,
                                                   keep_quantized, mesh, role)
         return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
     params, how = None, "converted"
-    if cache and ckpt_dir.parent.is_dir():
-        try:
-            _remove_stale_temporaries(ckpt_dir.parent)
-        except OSError:  # a read-only cache: its temporaries stay, as does the load
-            pass
     if cache and ckpt_dir.exists():
         try:
             params = _restore(ckpt_dir, config)
@@ -206,11 +241,15 @@ def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cach
         except Exception as e:  # a corrupt, partial or altered cache is rebuilt, never trusted
             logging.warning("parameter cache %s failed its check (%s); rebuilding it from %s", ckpt_dir,
                             str(e).splitlines()[0][:300], path)
+    if params is not None and save and not (ckpt_dir / _TOKENIZER).is_file():
+        # a cache from before the tokenizer was kept (or from the per-shard path): rewritten whole
+        # once, with it, so that later loads need not parse the source
+        _save_or_warn(ckpt_dir, config, params, tokenizer)
     if params is None:
-        params = (convert.load_gguf(path, keep_quantized=keep_quantized)[1] if is_gguf
+        params = (convert.load_gguf(path, keep_quantized=keep_quantized, reader=reader)[1] if is_gguf
                   else convert.load_hf_dir(path)[1])
-        if cache:
-            _save_or_warn(ckpt_dir, config, params)
+        if save:
+            _save_or_warn(ckpt_dir, config, params, tokenizer)
     # stored in the compute dtype (cast on the host for converted arrays: no float32 device copy)
     params = jax.tree.map(jnp.asarray, llama.cast_params(params, dtype))
     return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
@@ -270,11 +309,11 @@ def _load_sharded(path, name, is_gguf, config, ckpt_dir, dtype, cache, keep_quan
     return config, name, shards.place(shards.repeat_kv(lazy(jnp.dtype(dtype)), r), shardings), "converted"
 
 
-def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
+def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool, reader=None):
     from specjax.models import tokenizer as tokenizer_lib
 
     if is_gguf:
-        reader = convert.open_gguf(path)
+        reader = convert.open_gguf(path) if reader is None else reader
         config = convert.gguf_config(reader, path)[0]
         try:
             return config, tokenizer_lib.Tokenizer.from_gguf(reader)
@@ -285,17 +324,18 @@ def _read_config_and_tokenizer(path: pathlib.Path, is_gguf: bool):
     return config, tok
 
 
-def _save_or_warn(ckpt_dir: pathlib.Path, config: Config, params) -> None:
+def _save_or_warn(ckpt_dir: pathlib.Path, config: Config, params, tokenizer=False) -> None:
     """The cache is optional: a read-only or full cache directory (or any failure to write it)
     is one warning, and the load goes on with the converted parameters."""
     try:
-        _save(ckpt_dir, config, params)
+        _save(ckpt_dir, config, params, tokenizer)
     except Exception as e:  # OSError (EROFS, ENOSPC, EACCES), or orbax's wrapping of one
         logging.warning("could not write the parameter cache %s (%s); loading on without it",
                         ckpt_dir, str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
 
 
 _MANIFEST = "manifest.json"  # SHA-256 of every other file, written last: a cache without it is incomplete
+_TOKENIZER = "tokenizer_state.json"  # `Tokenizer.to_state()`, or null for a model without one
 
 
 def _file_hashes(root: pathlib.Path) -> dict[str, str]:
@@ -322,7 +362,9 @@ def _remove_stale_temporaries(parent: pathlib.Path) -> None:
         logging.warning("removed %s, left by an interrupted save", tmp)
 
 
-def _save(ckpt_dir: pathlib.Path, config: Config, params) -> None:
+def _save(ckpt_dir: pathlib.Path, config: Config, params, tokenizer=False) -> None:
+    """`tokenizer`: the model's (None: it has none) is kept beside the weights, so that a warm
+    load need not read the source; False (the default) keeps none."""
     import shutil
 
     import orbax.checkpoint as ocp
@@ -340,6 +382,8 @@ def _save(ckpt_dir: pathlib.Path, config: Config, params) -> None:
         ckptr.close()
         (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
         (tmp / "quantized.json").write_text(json.dumps(quantized))
+        if tokenizer is not False:
+            (tmp / _TOKENIZER).write_text(json.dumps(None if tokenizer is None else tokenizer.to_state()))
         (tmp / _MANIFEST).write_text(json.dumps({"version": 1, "sha256": _file_hashes(tmp)}, indent=0))
         if ckpt_dir.exists():
             shutil.rmtree(ckpt_dir)
@@ -373,36 +417,76 @@ def _verify(ckpt_dir: pathlib.Path) -> None:
         raise CacheError(f"SHA-256 mismatch in {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}")
 
 
+def expected_shapes(config: Config) -> dict:
+    """The shape of every leaf of this config's parameter tree, from `convert.param_spec` (the map
+    from checkpoints to `llama.Transformer`'s tree; tests pin the two equal): pure Python, where
+    tracing the module's init costs a third of a second."""
+    L = config.num_layers
+
+    def shape(leaf: convert.Leaf):
+        own = (*leaf.in_shape, *leaf.out_shape) if leaf.kind == "linear" else leaf.in_shape
+        return (L, *own) if leaf.stacked else tuple(own)
+
+    return convert.map_spec(config, shape)
+
+
 def _check_tree(config: Config, params) -> None:
     """The restored tree has exactly the structure and shapes of this config's parameters."""
-    expected = jax.eval_shape(llama.Transformer(config).init, jax.random.PRNGKey(0),
-                              jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32))["params"]
-    is_leaf = lambda x: isinstance(x, quant.BlockQuant)  # noqa: E731
+    is_leaf = lambda x: isinstance(x, (quant.BlockQuant, tuple))  # noqa: E731
     got = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)[0]
-    want = jax.tree_util.tree_flatten_with_path(expected)[0]
+    want = jax.tree_util.tree_flatten_with_path(expected_shapes(config), is_leaf=is_leaf)[0]
     if [p for p, _ in got] != [p for p, _ in want]:
         raise CacheError("parameter tree differs from the model's")
     for (path, x), (_, w) in zip(got, want):
-        shape = (*x.codes.shape[: x.codes.ndim - 3], *x.shape) if is_leaf(x) else tuple(x.shape)
-        if shape != tuple(w.shape):
-            raise CacheError(f"{jax.tree_util.keystr(path)} has shape {shape}, expected {tuple(w.shape)}")
+        shape = (*x.codes.shape[: x.codes.ndim - 3], *x.shape) if isinstance(x, quant.BlockQuant) else tuple(x.shape)
+        if shape != w:
+            raise CacheError(f"{jax.tree_util.keystr(path)} has shape {shape}, expected {w}")
 
 
 def _restore(ckpt_dir: pathlib.Path, config: Config, abstract_params=None, shardings=None):
     """The cached params; with `abstract_params` and `shardings` (matching trees), orbax restores
     each array at its sharding, reading only the parts of this process's devices."""
-    import orbax.checkpoint as ocp
-
     # Checked before orbax reads anything: a damaged file then never reaches tensorstore, whose
     # reads still in flight after a failed restore end in "Event loop is closed" tracebacks.
     _verify(ckpt_dir)
-    try:
-        saved = json.loads((ckpt_dir / "config.json").read_text())
-        quantized = json.loads((ckpt_dir / "quantized.json").read_text())
-    except ValueError as e:
-        raise CacheError(f"unreadable metadata: {e}") from None
-    if saved != json.loads(json.dumps(dataclasses.asdict(config))):
+    if _read_metadata(ckpt_dir, "config.json") != json.loads(json.dumps(dataclasses.asdict(config))):
         raise CacheError("cached config differs from the checkpoint's")
+    return _restore_arrays(ckpt_dir, config, abstract_params, shardings)
+
+
+def _restore_model(ckpt_dir: pathlib.Path):
+    """(config, params, tokenizer) from the cache alone, every file checked first (`_verify`)."""
+    from specjax.models import tokenizer as tokenizer_lib
+
+    _verify(ckpt_dir)
+    saved = _read_metadata(ckpt_dir, "config.json")
+    try:
+        config = Config(**{**saved, "rope_scaling": saved["rope_scaling"] and RopeScaling(**saved["rope_scaling"]),
+                           "rope_freq_factors": saved["rope_freq_factors"] and tuple(saved["rope_freq_factors"]),
+                           "eos_token_ids": tuple(saved["eos_token_ids"])})
+    except (TypeError, KeyError, LoadError) as e:
+        raise CacheError(f"config.json is not a config: {e}") from None
+    if json.loads(json.dumps(dataclasses.asdict(config))) != saved:
+        raise CacheError("config.json does not round-trip to the same config")
+    state = _read_metadata(ckpt_dir, _TOKENIZER)
+    try:
+        tokenizer = None if state is None else tokenizer_lib.Tokenizer.from_state(state)
+    except ValueError as e:
+        raise CacheError(f"{_TOKENIZER}: {e}") from None
+    return config, _restore_arrays(ckpt_dir, config), tokenizer
+
+
+def _read_metadata(ckpt_dir: pathlib.Path, name: str):
+    try:
+        return json.loads((ckpt_dir / name).read_text())
+    except (ValueError, OSError) as e:
+        raise CacheError(f"unreadable metadata {name}: {e}") from None
+
+
+def _restore_arrays(ckpt_dir: pathlib.Path, config: Config, abstract_params=None, shardings=None):
+    import orbax.checkpoint as ocp
+
+    quantized = _read_metadata(ckpt_dir, "quantized.json")
     if not isinstance(quantized, dict) or not all(
             isinstance(k, str) and isinstance(v, list) and v and all(isinstance(d, int) and d > 0 for d in v)
             for k, v in quantized.items()):

@@ -1,0 +1,99 @@
+r"""How long `models.load` takes, with the converted cache cold (emptied) and warm.
+
+Each measurement is a fresh process (what a user's script waits for): cold runs each get a new
+empty $SPECJAX_CACHE (so the preset's checksum, the GGUF's conversion and the cache's write are
+all in it); warm runs share one cache that a first, unmeasured load filled. Reported: the
+median over `--repeats` of `Model.load_seconds` (the `load` call alone) and of the process's
+imports (jax and specjax, paid once per process whatever the cache), and the load's CPU time
+(all threads: what it costs whatever else the machine runs, where wall time also waits for a core).
+
+    python experiments/bench_load.py                           # SmolLM2, cold and warm, 5 each
+    python experiments/bench_load.py --modes warm --repeats 9
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import flags
+
+from experiments import _paths
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset, .gguf or HF directory.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Fresh processes per mode (the median is reported).")
+_MODES = flags.DEFINE_multi_enum("modes", ["cold", "warm"], ["cold", "warm"],
+                                 "cold: an empty cache per process; warm: a cache filled beforehand.")
+_CHILD = flags.DEFINE_boolean("child", False, "Internal: load once in this process and print JSON.")
+
+
+def child() -> dict:
+    started = time.perf_counter()
+    import jax
+
+    from specjax import models
+
+    imported, cpu = time.perf_counter(), time.process_time()
+    m = models.load(_MODEL.value)
+    jax.block_until_ready(m.params)
+    return dict(import_s=imported - started, load_s=m.load_seconds, load_source=m.load_source,
+                until_ready_s=time.perf_counter() - imported, load_cpu_s=time.process_time() - cpu)
+
+
+def _measure(cache: str) -> dict:
+    args = [sys.executable, os.path.abspath(__file__), "--child", f"--model={_MODEL.value}"]
+    out = subprocess.run(args, env={**os.environ, "SPECJAX_CACHE": cache}, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise _paths.RunError(f"the loading process failed:\n{out.stderr[-3000:]}")
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def main(argv):
+    del argv
+    if _CHILD.value:
+        print("RESULT " + json.dumps(child()))
+        return
+    from experiments import _adaptive_bench  # here: the measured children import only what they time
+
+    if _REPEATS.value < 1:
+        raise _paths.RunError(f"--repeats must be >= 1, got {_REPEATS.value}")
+    root = tempfile.mkdtemp(prefix="specjax-bench-load-")
+    rows = []
+    try:
+        for mode in _MODES.value:
+            runs = []
+            if mode == "warm":
+                _measure(os.path.join(root, "warm"))  # fills the cache
+            for i in range(_REPEATS.value):
+                cache = os.path.join(root, "warm" if mode == "warm" else f"cold{i}")
+                runs.append(_measure(cache))
+                if mode == "cold":
+                    shutil.rmtree(cache, ignore_errors=True)
+            sources = sorted({r["load_source"] for r in runs})
+            rows.append(dict(mode=mode, source="/".join(sources),
+                             load_s=statistics.median(r["load_s"] for r in runs),
+                             load_all_s=[round(r["load_s"], 3) for r in runs],
+                             import_s=statistics.median(r["import_s"] for r in runs),
+                             cpu_s=statistics.median(r["load_cpu_s"] for r in runs)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"models.load({_MODEL.value!r}), fresh process each, medians of {_REPEATS.value}; "
+          f"{_adaptive_bench.machine()}; {datetime.date.today()}; load averages {os.getloadavg()}")
+    print("| cache | served from | load, wall (s) | each run (s) | load, CPU time of all threads (s) "
+          "| imports before it, wall (s) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['source']} | {r['load_s']:.2f} | {r['load_all_s']} | {r['cpu_s']:.2f} "
+              f"| {r['import_s']:.2f} |")
+    print("(CPU time is the load's work whatever else the machine runs; wall time waits for a core too.)")
+
+
+if __name__ == "__main__":
+    _paths.run(main)
