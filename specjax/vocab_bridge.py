@@ -357,7 +357,7 @@ def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_speci
     """One row, greedy longest match: the bytes of the first `n` source tokens, re-cut left to right
     into the longest destination tokens (of at most `match_len` bytes) -> (out_C, count, consumed).
 
-    The bytes go into one buffer (a special token is one marker slot); each of the `cap` steps
+    The bytes go into one buffer (a special token is one marker slot); each of the (at most `cap`) steps
     hashes every prefix of the next `match_len` bytes, looks the hashes up with `searchsorted`,
     checks the candidates' bytes, and emits the longest that matches (a byte always does). It
     stops before a special token with no counterpart. `consumed` counts the source tokens whose
@@ -380,8 +380,12 @@ def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_speci
     pow_L = jnp.asarray([pow(_HASH_MUL, j, 1 << 32) for j in range(L)], jnp.uint32)
     len_L = jnp.arange(1, L + 1)
 
-    def step(t, carry):
-        pos, count, out_C = carry
+    def more(carry):  # under vmap: until every row is done or stopped
+        t, pos, count, stopped, out_C = carry
+        return (t < cap) & (pos < total) & ~stopped
+
+    def step(carry):
+        t, pos, count, _, out_C = carry
         win_L = jax.lax.dynamic_slice(buf_S, (pos,), (L,))
         plain_L = jnp.cumprod(((win_L >= 0) & (win_L < 256)).astype(jnp.int32)).astype(bool)
         h_L = jnp.cumsum((win_L.astype(jnp.uint32) + jnp.uint32(1)) * pow_L, dtype=jnp.uint32)
@@ -396,10 +400,11 @@ def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_speci
         step_len = jnp.where(special, 1, best)
         active = (pos < total) & (step_len > 0)  # no match: a byte the destination lacks; stop there
         out_C = out_C.at[t].set(jnp.where(active, tok, 0))
-        return (pos + jnp.where(active, step_len, 0), count + active.astype(jnp.int32), out_C)
+        return (t + 1, pos + jnp.where(active, step_len, 0), count + active.astype(jnp.int32), ~active, out_C)
 
-    pos, count, out_C = jax.lax.fori_loop(
-        0, cap, step, (jnp.int32(0), jnp.int32(0), jnp.zeros((cap,), jnp.int32)))
+    # a while_loop, not cap fixed steps: a long cap (a whole prompt) costs only what its bytes need
+    _, pos, count, _, out_C = jax.lax.while_loop(
+        more, step, (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.bool_(False), jnp.zeros((cap,), jnp.int32)))
     consumed = jnp.sum(live_N & (end_N <= pos)).astype(jnp.int32)
     return out_C, count, consumed
 
@@ -425,6 +430,41 @@ def target_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: 
     return resegment(target_ids_N, n, bridge.target_bytes_VtxB, bridge.target_nb_Vt, bridge.t2d_special_Vt,
                      bridge.draft_hash_H, bridge.draft_hash_id_H, bridge.draft_bytes_VdxB,
                      bridge.draft_nb_Vd, cap, bridge.match_len)
+
+
+def sync_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: int):
+    """Committed target tokens -> (draft_ids_C, count, advance): the draft's context grows by whole
+    target tokens only, so a later call goes on exactly where this one stopped.
+
+    `count` draft ids spell the first `consumed` target tokens whole (a re-cut whose last id would
+    end inside a target token is cut back to the last token boundary: that token waits for the next
+    call). `advance` is how far the caller's sync point moves: `consumed`, or `consumed + 1` past a
+    token that cannot be spelled in the draft's vocabulary (a special with no counterpart, a byte the
+    draft lacks): that token is left out of the draft's context, never retried. When the first
+    token alone needs more than `cap` draft ids, the `cap` ids are kept and the rest of it dropped.
+    """
+    N = target_ids_N.shape[0]
+    out_C, count, consumed = target_to_draft(bridge, target_ids_N, n, cap)
+    j_N = jnp.arange(N)
+    if bridge.algorithm == "table":  # whole rows only: count already spells `consumed` tokens
+        blocked = (consumed < n) & (bridge.t2d_len_Vt[target_ids_N[jnp.minimum(consumed, N - 1)]] < 0)
+        too_long = (consumed == 0) & (n > 0)  # one token's row wider than cap
+        return out_C, count, consumed + (blocked | too_long).astype(jnp.int32)
+    # byte ends of the source tokens and of the emitted ids (a special is one slot on both sides)
+    end_N = jnp.cumsum(jnp.where(j_N < n, bridge.target_nb_Vt[target_ids_N], 0))
+    c_C = jnp.arange(1, cap + 1)
+    end_C = jnp.cumsum(jnp.where(c_C <= count, bridge.draft_nb_Vd[out_C], 0))
+    at_C = jnp.searchsorted(end_N, end_C, side="left")  # the token whose end could equal end_C
+    on_boundary_C = (c_C <= count) & (at_C < n) & (end_N[jnp.minimum(at_C, N - 1)] == end_C)
+    whole = jnp.max(jnp.where(on_boundary_C, c_C, 0))  # ids kept
+    tokens = jnp.where(whole > 0, at_C[jnp.maximum(whole - 1, 0)] + 1, 0)  # target tokens they spell
+    full = count == cap
+    advance = jnp.where(tokens == n, n,
+                        jnp.where(~full, tokens + 1,  # stopped before an unspellable token: skip it
+                                  jnp.where(tokens == 0, 1, tokens)))  # cap reached: rest next time
+    keep = jnp.where(full & (tokens == 0) & (n > 0), count, whole)
+    out_C = jnp.where(jnp.arange(cap) < keep, out_C, 0)
+    return out_C, keep.astype(jnp.int32), jnp.minimum(advance, n).astype(jnp.int32)
 
 
 def translate_host(ids: Sequence[int], table_VxW: np.ndarray, len_V: np.ndarray) -> list[int]:

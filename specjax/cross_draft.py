@@ -1,0 +1,212 @@
+"""A draft model of another vocabulary (another model family), inside the compiled loop.
+
+`CrossVocabDrafter` implements `drafters.Drafter`: the loop calls init/propose/observe as for any
+drafter and never learns that the draft speaks other ids. Its params are the draft model's params
+plus the `vocab_bridge.Bridge` tables (device arrays, program inputs like the weights; replicated
+on a mesh), under the key "bridge". Its state (`CrossState`) is the draft's own KV cache, the
+draft-id text of what the target has committed, and per row the sync point: how many of the
+target's committed tokens are translated, and how many draft ids they became.
+
+Each round, `propose`:
+
+1. *sync*: translates the target tokens committed since the sync point (at most `window` of them)
+   with `vocab_bridge.sync_to_draft`: only whole target tokens; a token the draft cannot spell is
+   left out; what does not fit waits for the next round (the row proposes nothing until it has
+   caught up, so a proposal always continues the committed text);
+2. *feed*: runs the draft over its new ids from one position before them (that position is already
+   in its cache: recomputing it is idempotent, and it yields the logits of the next id when nothing
+   new came). Entries past the row's draft length are stale, masked by position, never erased;
+3. *draft*: `draft_steps` greedy steps of the draft (default K);
+4. *translate*: `vocab_bridge.draft_to_target` re-cuts the proposal's bytes into at most K target
+   ids; num_draft is how many it made.
+
+Rejected drafts need no rollback: the next round resyncs from the target's committed tokens.
+With a `lookup` (FLy's multi-level drafting, `("pld", Model)`), step 3 first checks prompt lookup's
+proposal, translated to draft ids and fed with the new context in the same forward, keeps the
+prefix the draft's own greedy choice agrees with, and extends it step by step.
+
+Temperature > 0: the draft's choice is greedy and reported as a point mass (probs None). Speculative
+sampling with a point-mass draft is lossless whatever rule chose the draft tokens (a draft d is kept
+with probability p(d), else the residual p(x)/(1 - p(d)) over x != d is sampled: p(x) overall), so
+exact verification stays lossless; the draft's distribution over its own vocabulary is never needed.
+
+Lengths: the draft's cache holds `draft_len` = ceil(`len_ratio` * max_len) positions (a draft of a
+smaller vocabulary spends more tokens on the same text); a row whose draft context would outgrow it
+stops proposing (its rounds are plain decoding steps), never writes out of bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax import vocab_bridge
+from specjax.models import llama
+from specjax.models.config import Config
+
+
+@struct.dataclass(kw_only=True)
+class CrossState:
+    cache: llama.KVCache  # the draft's cache; positions count draft ids
+    dseq_BSd: jax.Array  # int32[B, Sd]: the committed text in draft ids (its first d_len_B[b] entries)
+    t_sync_B: jax.Array  # int32[B]: target tokens of seq_BS translated into dseq so far
+    d_len_B: jax.Array  # int32[B]: draft ids they became; the cache holds positions < d_len_B
+
+
+def split_params(params) -> tuple[Any, vocab_bridge.Bridge]:
+    """(the draft model's params, the bridge tables) of a CrossVocabDrafter's params."""
+    return {k: v for k, v in params.items() if k != "bridge"}, params["bridge"]
+
+
+def make_params(draft_params, bridge: vocab_bridge.Bridge):
+    return {**draft_params, "bridge": bridge}
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossVocabDrafter:
+    """A draft Model of another vocabulary, translated on the device (see the module doc).
+
+    config/dtype: the draft model's. k: the most target tokens proposed per round. draft_steps: draft
+    ids generated per round (None: k; a K-id proposal of a smaller vocabulary usually re-cuts into
+    fewer than K target ids). window: target tokens translated per round at most (None: 2 (k + 1)),
+    sync_cap: draft ids they may become (None: 2 (k + 1)). lookup: a `drafters.PromptLookup` for
+    multi-level drafting, or None.
+    """
+
+    config: Config
+    k: int
+    dtype: Any = jnp.float32
+    name: str = "cross-draft"
+    draft_steps: int | None = None
+    window: int | None = None
+    sync_cap: int | None = None
+    len_ratio: float = 1.5
+    prompt_ratio: float = 1.5
+    lookup: Any = None
+    uses_features = False
+
+    @property
+    def kd(self) -> int:
+        return self.draft_steps or self.k
+
+    @property
+    def n_window(self) -> int:
+        return self.window or 2 * (self.k + 1)
+
+    @property
+    def cap(self) -> int:
+        return self.sync_cap or 2 * (self.k + 1)
+
+    def draft_len(self, max_len: int) -> int:
+        return -(-math.ceil(self.len_ratio * max_len) // 16) * 16
+
+    # -- Drafter ---------------------------------------------------------------------------
+
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None) -> CrossState:
+        model_params, bridge = split_params(params)
+        B, T = prompt_BT.shape
+        Sd = self.draft_len(max_len)
+        C0 = min(Sd, math.ceil(self.prompt_ratio * T))
+        ids_BC, count_B, adv_B = jax.vmap(vocab_bridge.sync_to_draft, in_axes=(None, 0, 0, None))(
+            bridge, prompt_BT, prompt_len_B, C0)
+        dseq_BSd = jnp.zeros((B, Sd), jnp.int32).at[:, :C0].set(ids_BC)
+        cache = llama.init_cache(self.config, B, Sd, self.dtype)
+        # the whole translated prompt into the cache (positions past count_B are stale: masked later)
+        _, cache = llama.forward_cached(self.config, model_params, ids_BC, cache, dtype=self.dtype,
+                                        select_BJ=jnp.maximum(count_B - 1, 0)[:, None], backend=backend)
+        return CrossState(cache=cache._replace(lengths=count_B), dseq_BSd=dseq_BSd, t_sync_B=adv_B, d_len_B=count_B)
+
+    def observe(self, state, features_BRD, base_B):
+        return state
+
+    def propose(self, params, state: CrossState, seq_BS, lengths_B, key, temperature, *, backend=None):
+        model_params, bridge = split_params(params)
+        B = seq_BS.shape[0]
+        Sd = state.dseq_BSd.shape[1]
+        K, Kd = self.k, self.kd
+        old_len_B = state.d_len_B
+        state = self.sync(bridge, state, seq_BS, lengths_B + 1)  # seq_BS[b, :L + 1] is committed
+        caught_up_B = state.t_sync_B == lengths_B + 1
+        d_len_B = state.d_len_B
+        # the lookup's proposal (target ids) in draft ids, fed after the context in the same forward
+        if self.lookup is not None:
+            p_BK, np_B, _ = self.lookup.lookup(seq_BS, lengths_B)
+            Kp = K
+            pd_BP, mp_B, _ = jax.vmap(vocab_bridge.target_to_draft, in_axes=(None, 0, 0, None))(bridge, p_BK, np_B, Kp)
+            mp_B = jnp.minimum(mp_B, Kd - 1)  # the draft's own token after them must fit
+        else:
+            Kp = 0
+            pd_BP, mp_B = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
+        # feed [dseq[p0 .. d_len - 1], pd] at positions p0 .. ; p0 = one before the new ids
+        p0_B = jnp.maximum(old_len_B - 1, 0)
+        W = self.cap + 1 + Kp
+        w_W = jnp.arange(W)
+        ctx_BW = jnp.take_along_axis(state.dseq_BSd, jnp.minimum(p0_B[:, None] + w_W[None], Sd - 1), axis=1)
+        off_BW = w_W[None] - (d_len_B - p0_B)[:, None]  # index into pd
+        tokens_BW = jnp.where((off_BW >= 0) & (off_BW < Kp),
+                              jnp.take_along_axis(pd_BP, jnp.clip(off_BW, 0, max(Kp - 1, 0)), axis=1) if Kp else 0,
+                              ctx_BW)
+        select_BJ = (d_len_B - 1 - p0_B)[:, None] + jnp.arange(Kp + 1)[None]
+        logits_BJV, cache = llama.forward_cached(self.config, model_params, tokens_BW,
+                                                 state.cache._replace(lengths=p0_B), dtype=self.dtype,
+                                                 select_BJ=jnp.clip(select_BJ, 0, W - 1), backend=backend)
+        t_BJ = jnp.argmax(logits_BJV, axis=-1).astype(jnp.int32)  # the draft's choice after ctx, pd_0, ...
+        j_D = jnp.arange(Kd)
+        if Kp:
+            agree_BP = (pd_BP == t_BJ[:, :Kp]) & (jnp.arange(Kp)[None] < mp_B[:, None])
+            a_B = jnp.sum(jnp.cumprod(agree_BP, axis=1), axis=1).astype(jnp.int32)
+            own_B = jnp.take_along_axis(t_BJ, a_B[:, None], axis=1)[:, 0]
+            pd_BD = jnp.pad(pd_BP, ((0, 0), (0, max(Kd - Kp, 0))))[:, :Kd]
+            d_BD = jnp.where(j_D[None] < a_B[:, None], pd_BD, jnp.where(j_D[None] == a_B[:, None], own_B[:, None], 0))
+        else:
+            a_B = jnp.zeros((B,), jnp.int32)
+            d_BD = jnp.where(j_D[None] == 0, t_BJ[:, :1], 0)
+        d_BD, cache = self.extend(model_params, d_BD, a_B + 1, d_len_B, cache, backend)
+        ids_BK, count_B, _ = jax.vmap(vocab_bridge.draft_to_target, in_axes=(None, 0, None, None))(
+            bridge, d_BD, jnp.int32(Kd), K)
+        fits_B = d_len_B + Kd + W <= Sd  # the next round's feed and this round's steps stay in the cache
+        num_draft_B = jnp.where(caught_up_B & fits_B & (d_len_B > 0), count_B, 0).astype(jnp.int32)
+        return ids_BK, num_draft_B, None, state.replace(cache=cache._replace(lengths=d_len_B))
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def sync(self, bridge, state: CrossState, seq_BS, committed_B) -> CrossState:
+        """Translates up to `window` committed target tokens past each row's sync point into draft ids."""
+        S, Sd = seq_BS.shape[1], state.dseq_BSd.shape[1]
+        N, C = self.n_window, self.cap
+        src_BN = jnp.take_along_axis(seq_BS, jnp.minimum(state.t_sync_B[:, None] + jnp.arange(N)[None], S - 1), axis=1)
+        n_B = jnp.clip(committed_B - state.t_sync_B, 0, N)
+        ids_BC, count_B, adv_B = jax.vmap(vocab_bridge.sync_to_draft, in_axes=(None, 0, 0, None))(bridge, src_BN, n_B, C)
+        count_B = jnp.minimum(count_B, Sd - state.d_len_B)  # a full row keeps what fits (it proposes no more)
+        c_C = jnp.arange(C)
+        pos_BC = jnp.where(c_C[None] < count_B[:, None], state.d_len_B[:, None] + c_C[None], Sd)  # Sd: dropped
+        B = seq_BS.shape[0]
+        dseq_BSd = state.dseq_BSd.at[jnp.arange(B)[:, None], pos_BC].set(ids_BC, mode="drop")
+        return state.replace(dseq_BSd=dseq_BSd, t_sync_B=state.t_sync_B + adv_B, d_len_B=state.d_len_B + count_B)
+
+    def extend(self, model_params, d_BD, c_B, d_len_B, cache, backend):
+        """Fills draft slots c_B .. Kd - 1 of each row with the draft's greedy choices, one step at a
+        time (slot c is read at position d_len + c - 1, after the slot before it)."""
+        Kd = d_BD.shape[1]
+        j_D = jnp.arange(Kd)
+
+        def more(carry):
+            return jnp.any(carry[1] < Kd)
+
+        def step(carry):
+            d_BD, c_B, cache = carry
+            prev_B = jnp.take_along_axis(d_BD, jnp.clip(c_B - 1, 0, Kd - 1)[:, None], axis=1)[:, 0]
+            logits_B1V, cache = llama.forward_cached(self.config, model_params, prev_B[:, None],
+                                                     cache._replace(lengths=d_len_B + c_B - 1), dtype=self.dtype,
+                                                     backend=backend)
+            next_B = jnp.argmax(logits_B1V[:, 0], axis=-1).astype(jnp.int32)
+            fill_BD = (j_D[None] == c_B[:, None]) & (c_B[:, None] < Kd)
+            return jnp.where(fill_BD, next_B[:, None], d_BD), c_B + 1, cache
+
+        d_BD, _, cache = jax.lax.while_loop(more, step, (d_BD, c_B, cache))
+        return d_BD, cache
