@@ -58,13 +58,18 @@ class CrossState:
     d_len_B: jax.Array  # int32[B]: draft ids they became; the cache holds positions < d_len_B
 
 
+BRIDGE = "bridge"  # the params key of the tables (specjax.sharding replicates what lies under it)
+
+
 def split_params(params) -> tuple[Any, vocab_bridge.Bridge]:
     """(the draft model's params, the bridge tables) of a CrossVocabDrafter's params."""
-    return {k: v for k, v in params.items() if k != "bridge"}, params["bridge"]
+    return {k: v for k, v in params.items() if k != BRIDGE}, params[BRIDGE]
 
 
 def make_params(draft_params, bridge: vocab_bridge.Bridge):
-    return {**draft_params, "bridge": bridge}
+    """The draft model's params with the tables beside them: the Engine's native packing and
+    unrolling of the draft's layers keep the extra key."""
+    return {**draft_params, BRIDGE: bridge}
 
 
 @dataclasses.dataclass(frozen=True)
