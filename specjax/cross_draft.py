@@ -31,7 +31,9 @@ with probability p(d), else the residual p(x)/(1 - p(d)) over x != d is sampled:
 exact verification stays lossless; the draft's distribution over its own vocabulary is never needed.
 
 Lengths: the draft's cache holds `draft_len` = ceil(`len_ratio` * max_len) positions (a draft of a
-smaller vocabulary spends more tokens on the same text); a row whose draft context would outgrow it
+smaller vocabulary spends more tokens on the same text; 1.25 by default), and its prefill reads the
+first ceil(`prompt_ratio` * T) draft ids of the translated prompt (the rest, if any, is caught up a
+window per round, proposing nothing meanwhile). A row whose draft context would outgrow the cache
 stops proposing (its rounds are plain decoding steps), never writes out of bounds.
 """
 
@@ -90,8 +92,8 @@ class CrossVocabDrafter:
     draft_steps: int | None = None
     window: int | None = None
     sync_cap: int | None = None
-    len_ratio: float = 1.5
-    prompt_ratio: float = 1.5
+    len_ratio: float = 1.25
+    prompt_ratio: float = 1.25
     lookup: Any = None
     uses_features = False
 

@@ -128,19 +128,30 @@ def same_vocab(target: Model, draft: Model) -> bool:
     have a tokenizer, the same tokens (without tokenizers, the same size is taken as the same)."""
     if target.config.vocab_size != draft.config.vocab_size:
         return False
-    tt, dt = target.tokenizer, draft.tokenizer
-    return tt is None or dt is None or tt.backend.get_vocab() == dt.backend.get_vocab()
+    same = _same_tokens(target.tokenizer, draft.tokenizer)
+    return same is None or same
+
+
+def _same_tokens(tt, dt) -> bool | None:
+    """Whether two tokenizers have the same tokens; None where either has no vocabulary to compare."""
+    if getattr(tt, "backend", None) is None or getattr(dt, "backend", None) is None:
+        return None
+    return tt.backend.get_vocab() == dt.backend.get_vocab()
 
 
 def cross_vocab(target: Model, draft: Model, k: int, lookup=None):
     """(CrossVocabDrafter, its params) for a draft of another vocabulary: the bridge's tables are
     built from both tokenizers (an error naming both models when either cannot be mapped)."""
+    if _same_tokens(target.tokenizer, draft.tokenizer):  # one tokenizer, embedding tables of two widths
+        raise ValueError(f"the draft {draft.name} has the target {target.name}'s tokenizer but an embedding table "
+                         f"of {draft.config.vocab_size} rows where the target has {target.config.vocab_size}: pad "
+                         "the narrower one (models.pad_vocab) instead of translating between equal vocabularies")
     tname, dname = target.name or "the target", draft.name or "the draft"
     vocab_bridge.check_bridgeable(target.tokenizer, draft.tokenizer, target_name=tname, draft_name=dname)
     bridge = vocab_bridge.build_bridge(target.tokenizer, draft.tokenizer, target_name=tname, draft_name=dname)
     for side, who, tok, cfg in (("target", tname, target.tokenizer, target.config),
                                 ("draft", dname, draft.tokenizer, draft.config)):
-        if tok.vocab_size > cfg.vocab_size:
+        if tok.vocab_size > cfg.vocab_size:  # ids past the tokenizer's (padding rows) read as its last
             raise ValueError(f"{side} {who}: its tokenizer has "
                              f"{tok.vocab_size} tokens, more than its model's {cfg.vocab_size} embeddings")
     name = (draft.name or "draft") if lookup is None else f"pld+{draft.name or 'draft'}"

@@ -67,6 +67,7 @@ algorithms and their host-side table builders, which share the byte helpers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -159,6 +160,18 @@ def encode_bytes(tok, data: bytes) -> list[int]:
     return ids
 
 
+@dataclasses.dataclass(frozen=True)
+class AbstractVocab:
+    """A byte-level vocabulary known only by its sizes, as an abstract model's tokenizer
+    (`models.abstract`): `build_bridge` of two of them gives tables of `jax.ShapeDtypeStruct`s of
+    the real sizes, for planning and ahead-of-time compilation (no tokenizer files at hand).
+
+    width: the longest token in bytes (Qwen2.5's and SmolLM2's: 128 and 81)."""
+
+    vocab_size: int
+    width: int = 128
+
+
 def check_bridgeable(target_tok, draft_tok, *, target_name: str = "target", draft_name: str = "draft") -> None:
     """Raise ValueError naming both models when either tokenizer cannot be bridged.
 
@@ -176,6 +189,8 @@ def check_bridgeable(target_tok, draft_tok, *, target_name: str = "target", draf
 def _not_byte_level(tok) -> str | None:
     if tok is None:
         return "is missing"
+    if isinstance(tok, AbstractVocab):
+        return None
     backend = getattr(tok, "backend", None)
     if backend is None or not hasattr(tok, "vocab_size"):
         return f"is a {type(tok).__name__}, not a specjax.models.Tokenizer"
@@ -303,6 +318,8 @@ def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_na
                  algorithm: str = "greedy", match_len: int = 32) -> Bridge:
     """Host, once: check both tokenizers and build the device tables of `algorithm`."""
     check_bridgeable(target_tok, draft_tok, target_name=target_name, draft_name=draft_name)
+    if isinstance(target_tok, AbstractVocab) or isinstance(draft_tok, AbstractVocab):
+        return abstract_bridge(target_tok, draft_tok, algorithm=algorithm, match_len=match_len)
     if algorithm == "table":
         d2t_ids, d2t_len = build_table(draft_tok, target_tok)
         t2d_ids, t2d_len = build_table(target_tok, draft_tok)
@@ -321,6 +338,25 @@ def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_na
     arrays["d2t_special_Vd"] = _special_map(draft_tok, target_tok)
     arrays["t2d_special_Vt"] = _special_map(target_tok, draft_tok)
     return Bridge(algorithm="greedy", match_len=match_len, **{k: jnp.asarray(v) for k, v in arrays.items()})
+
+
+def abstract_bridge(target: AbstractVocab, draft: AbstractVocab, *, algorithm: str = "greedy",
+                    match_len: int = 32) -> Bridge:
+    """The tables' shapes for two vocabularies of these sizes (every token hashed: an upper bound)."""
+    if not (isinstance(target, AbstractVocab) and isinstance(draft, AbstractVocab)):
+        raise ValueError("an abstract bridge needs two AbstractVocab sizes (one real tokenizer and one "
+                         "abstract cannot be bridged)")
+    sds = jax.ShapeDtypeStruct
+    Vt, Vd = target.vocab_size, draft.vocab_size
+    if algorithm == "table":  # a row holds at most one id per byte
+        return Bridge(algorithm="table", d2t_ids_VdxW=sds((Vd, draft.width), jnp.int32), d2t_len_Vd=sds((Vd,), jnp.int32),
+                      t2d_ids_VtxW=sds((Vt, target.width), jnp.int32), t2d_len_Vt=sds((Vt,), jnp.int32))
+    return Bridge(algorithm="greedy", match_len=match_len,
+                  draft_bytes_VdxB=sds((Vd, draft.width), jnp.uint8), draft_nb_Vd=sds((Vd,), jnp.int32),
+                  target_bytes_VtxB=sds((Vt, target.width), jnp.uint8), target_nb_Vt=sds((Vt,), jnp.int32),
+                  draft_hash_H=sds((Vd,), jnp.uint32), draft_hash_id_H=sds((Vd,), jnp.int32),
+                  target_hash_H=sds((Vt,), jnp.uint32), target_hash_id_H=sds((Vt,), jnp.int32),
+                  d2t_special_Vd=sds((Vd,), jnp.int32), t2d_special_Vt=sds((Vt,), jnp.int32))
 
 
 # --- device -----------------------------------------------------------------------------------------

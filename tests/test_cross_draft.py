@@ -156,3 +156,23 @@ def test_smollm2_drafts_for_qwen_exactly():
     out = specjax.Engine(qwen, draft=smol, method="exact", k=8, max_new_tokens=24).generate(prompts)
     assert out.tokens == base
     assert out.stats["tau"] > 1.2  # the translated drafts are accepted, not only correct
+
+
+def test_abstract_vocabularies_lower_a_program_and_count_the_tables():
+    """Ahead-of-time planning: two vocabularies known by their sizes only (no tokenizer files) give
+    tables of ShapeDtypeStructs; the program lowers, and aot.bridge_bytes counts the tables."""
+    from specjax import aot, models
+
+    cfg_t = Config(vocab_size=600, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                   num_kv_heads=2, head_dim=8)
+    cfg_d = Config(vocab_size=400, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                   num_kv_heads=1, head_dim=8)
+    target = models.abstract(cfg_t).with_params(models.abstract(cfg_t).params, tokenizer=vb.AbstractVocab(600, 20))
+    draft = models.abstract(cfg_d).with_params(models.abstract(cfg_d).params, tokenizer=vb.AbstractVocab(400, 12))
+    engine = specjax.Engine(target, draft=draft, method="fly", k=4, max_new_tokens=8)
+    assert isinstance(engine.drafter, cross_draft.CrossVocabDrafter)
+    # bytes tables V x width (uint8) + 5 int32/uint32 arrays of V per side (counts, 2 hash arrays, special map)
+    assert aot.bridge_bytes(engine) == 600 * 20 + 400 * 12 + 4 * 4 * (600 + 400)
+    assert "while" in engine.lower([[1, 2, 3], [4, 5]]).as_text()
+    with pytest.raises(ValueError, match="two AbstractVocab"):
+        vb.abstract_bridge(vb.AbstractVocab(600), None)
