@@ -152,17 +152,7 @@ class CrossVocabDrafter:
         # feed [dseq[p0 .. d_len - 1], pd] at positions p0 .. ; p0 = one before the new ids
         p0_B = jnp.maximum(old_len_B - 1, 0)
         W = self.cap + 1 + Kp
-        w_W = jnp.arange(W)
-        ctx_BW = jnp.take_along_axis(state.dseq_BSd, jnp.minimum(p0_B[:, None] + w_W[None], Sd - 1), axis=1)
-        off_BW = w_W[None] - (d_len_B - p0_B)[:, None]  # index into pd
-        tokens_BW = jnp.where((off_BW >= 0) & (off_BW < Kp),
-                              jnp.take_along_axis(pd_BP, jnp.clip(off_BW, 0, max(Kp - 1, 0)), axis=1) if Kp else 0,
-                              ctx_BW)
-        select_BJ = (d_len_B - 1 - p0_B)[:, None] + jnp.arange(Kp + 1)[None]
-        logits_BJV, cache = llama.forward_cached(self.config, model_params, tokens_BW,
-                                                 state.cache._replace(lengths=p0_B), dtype=self.dtype,
-                                                 select_BJ=jnp.clip(select_BJ, 0, W - 1), backend=backend)
-        t_BJ = jnp.argmax(logits_BJV, axis=-1).astype(jnp.int32)  # the draft's choice after ctx, pd_0, ...
+        t_BJ, cache = self.feed(model_params, state, p0_B, d_len_B, pd_BP, W, backend)
         j_D = jnp.arange(Kd)
         if Kp:
             agree_BP = (pd_BP == t_BJ[:, :Kp]) & (jnp.arange(Kp)[None] < mp_B[:, None])
@@ -195,6 +185,34 @@ class CrossVocabDrafter:
         B = seq_BS.shape[0]
         dseq_BSd = state.dseq_BSd.at[jnp.arange(B)[:, None], pos_BC].set(ids_BC, mode="drop")
         return state.replace(dseq_BSd=dseq_BSd, t_sync_B=state.t_sync_B + adv_B, d_len_B=state.d_len_B + count_B)
+
+    def feed(self, model_params, state: CrossState, p0_B, d_len_B, pd_BP, W: int, backend):
+        """Runs the draft over [dseq[p0 .. d_len - 1], pd] from position p0: (its greedy choices after
+        the context and after each of pd, int32[B, P + 1], the cache). Compiled at two widths: the
+        narrow one (K + 2 + P) covers a round's usual new ids at a fraction of the full (W) cost."""
+        Sd, Kp = state.dseq_BSd.shape[1], pd_BP.shape[1]
+        need = jnp.max(d_len_B - p0_B) + Kp
+
+        def at(width):
+            def run(cache):
+                w_W = jnp.arange(width)
+                ctx_BW = jnp.take_along_axis(state.dseq_BSd, jnp.minimum(p0_B[:, None] + w_W[None], Sd - 1), axis=1)
+                off_BW = w_W[None] - (d_len_B - p0_B)[:, None]  # index into pd
+                tokens_BW = ctx_BW
+                if Kp:
+                    pd_BW = jnp.take_along_axis(pd_BP, jnp.clip(off_BW, 0, Kp - 1), axis=1)
+                    tokens_BW = jnp.where((off_BW >= 0) & (off_BW < Kp), pd_BW, ctx_BW)
+                select_BJ = jnp.clip((d_len_B - 1 - p0_B)[:, None] + jnp.arange(Kp + 1)[None], 0, width - 1)
+                logits_BJV, cache = llama.forward_cached(self.config, model_params, tokens_BW,
+                                                         cache._replace(lengths=p0_B), dtype=self.dtype,
+                                                         select_BJ=select_BJ, backend=backend)
+                return jnp.argmax(logits_BJV, axis=-1).astype(jnp.int32), cache
+            return run
+
+        narrow = self.k + 2 + Kp
+        if narrow >= W:
+            return at(W)(state.cache)
+        return jax.lax.cond(need <= narrow, at(narrow), at(W), state.cache)
 
     def extend(self, model_params, d_BD, c_B, d_len_B, cache, backend):
         """Fills draft slots c_B .. Kd - 1 of each row with the draft's greedy choices, one step at a
