@@ -114,13 +114,20 @@ class CrossVocabDrafter:
 
     # -- Drafter ---------------------------------------------------------------------------
 
-    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None) -> CrossState:
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None,
+             draft_prompt_BT=None, draft_prompt_len_B=None) -> CrossState:
+        """The draft's state after the prompts: their translation, or `draft_prompt_BT` (the same
+        conversation rendered by the draft's own chat template, in its ids) when given."""
         model_params, bridge = split_params(params)
         B, T = prompt_BT.shape
         Sd = self.draft_len(max_len)
-        C0 = min(Sd, math.ceil(self.prompt_ratio * T))
-        ids_BC, count_B, adv_B = jax.vmap(vocab_bridge.sync_to_draft, in_axes=(None, 0, 0, None))(
-            bridge, prompt_BT, prompt_len_B, C0)
+        if draft_prompt_BT is None:
+            C0 = min(Sd, math.ceil(self.prompt_ratio * T))
+            ids_BC, count_B, adv_B = jax.vmap(vocab_bridge.sync_to_draft, in_axes=(None, 0, 0, None))(
+                bridge, prompt_BT, prompt_len_B, C0)
+        else:  # the whole target prompt counts as translated: the rounds sync from its end
+            C0 = min(Sd, draft_prompt_BT.shape[1])
+            ids_BC, count_B, adv_B = draft_prompt_BT[:, :C0], jnp.minimum(draft_prompt_len_B, C0), prompt_len_B
         dseq_BSd = jnp.zeros((B, Sd), jnp.int32).at[:, :C0].set(ids_BC)
         cache = llama.init_cache(self.config, B, Sd, self.dtype)
         # the whole translated prompt into the cache (positions past count_B are stale: masked later)

@@ -176,3 +176,32 @@ def test_abstract_vocabularies_lower_a_program_and_count_the_tables():
     assert "while" in engine.lower([[1, 2, 3], [4, 5]]).as_text()
     with pytest.raises(ValueError, match="two AbstractVocab"):
         vb.abstract_bridge(vb.AbstractVocab(600), None)
+
+
+def test_a_draft_prompt_in_the_drafts_own_rendering_replaces_the_translation(pair, prompts):
+    """init(draft_prompt_BT=...): the draft reads the conversation as its own chat template renders it;
+    the target's prompt counts as translated, and the rounds append the target's new tokens."""
+    target, draft = pair
+    drafter, params = drafters.from_spec(draft, target, 2)
+    own = [draft.tokenizer.encode("<|im_start|>user\n" + t) for t in TEXTS]  # another rendering, draft ids
+    B, S = len(prompts), 64
+    T, Td = max(map(len, prompts)), max(map(len, own))
+    seq, dp = np.zeros((B, S), np.int32), np.zeros((B, Td), np.int32)
+    for b in range(B):
+        seq[b, :len(prompts[b])], dp[b, :len(own[b])] = prompts[b], own[b]
+    lens, dlens = np.asarray([len(p) for p in prompts], np.int32), np.asarray([len(o) for o in own], np.int32)
+    new = target.tokenizer.encode(" x = 1")
+    L = lens + len(new) - 1  # the target emitted `new`; its last token is pending
+    for b in range(B):
+        seq[b, lens[b]: lens[b] + len(new)] = new
+
+    @jax.jit
+    def run(prompt_BT, prompt_len_B, dp_BT, dlen_B, seq_BS, L_B):
+        state = drafter.init(params, prompt_BT, prompt_len_B, S, draft_prompt_BT=dp_BT, draft_prompt_len_B=dlen_B)
+        return drafter.propose(params, state, seq_BS, L_B, jax.random.PRNGKey(0), 0.0)[3]
+
+    state = run(seq[:, :T], lens, dp, dlens, seq, L)
+    for b in range(B):
+        assert int(state.t_sync_B[b]) == L[b] + 1
+        got = _bytes(draft.tokenizer, np.asarray(state.dseq_BSd[b, :int(state.d_len_B[b])]))
+        assert got == _bytes(draft.tokenizer, own[b]) + _bytes(target.tokenizer, new)
