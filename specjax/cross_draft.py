@@ -50,6 +50,7 @@ from flax import struct
 from specjax import vocab_bridge
 from specjax.models import llama
 from specjax.models.config import Config
+from specjax.models.model import Model
 
 
 @struct.dataclass(kw_only=True)
@@ -242,3 +243,43 @@ class CrossVocabDrafter:
 
         d_BD, _, cache = jax.lax.while_loop(more, step, (d_BD, c_B, cache))
         return d_BD, cache
+
+
+# -- building it from two models ------------------------------------------------------------
+
+def same_vocab(target: Model, draft: Model) -> bool:
+    """Whether the draft shares the target's vocabulary: the same size and, where both models
+    have a tokenizer, the same tokens (without tokenizers, the same size is taken as the same)."""
+    if target.config.vocab_size != draft.config.vocab_size:
+        return False
+    same = _same_tokens(target.tokenizer, draft.tokenizer)
+    return same is None or same
+
+
+def _same_tokens(tt, dt) -> bool | None:
+    """Whether two tokenizers have the same tokens; None where either has no vocabulary to compare."""
+    if getattr(tt, "backend", None) is None or getattr(dt, "backend", None) is None:
+        return None
+    return tt.backend.get_vocab() == dt.backend.get_vocab()
+
+
+def from_models(target: Model, draft: Model, k: int, lookup=None):
+    """(CrossVocabDrafter, its params) for a draft of another vocabulary (`drafters.from_spec`): the
+    bridge's tables are built from both tokenizers (an error naming both models, before anything
+    compiles, when either cannot be mapped). lookup: a `drafters.PromptLookup` (multi-level)."""
+    if _same_tokens(target.tokenizer, draft.tokenizer):  # one tokenizer, embedding tables of two widths
+        raise ValueError(f"the draft {draft.name} has the target {target.name}'s tokenizer but an embedding table "
+                         f"of {draft.config.vocab_size} rows where the target has {target.config.vocab_size}: pad "
+                         "the narrower one (models.pad_vocab) instead of translating between equal vocabularies")
+    tname, dname = target.name or "the target", draft.name or "the draft"
+    vocab_bridge.check_bridgeable(target.tokenizer, draft.tokenizer, target_name=tname, draft_name=dname)
+    for side, who, tok, cfg in (("target", tname, target.tokenizer, target.config),
+                                ("draft", dname, draft.tokenizer, draft.config)):
+        # fewer tokens than embeddings is fine (Qwen2.5's padding rows are never chosen); more is not
+        if tok.vocab_size > cfg.vocab_size:
+            raise ValueError(f"{side} {who}: its tokenizer has "
+                             f"{tok.vocab_size} tokens, more than its model's {cfg.vocab_size} embeddings")
+    bridge = vocab_bridge.build_bridge(target.tokenizer, draft.tokenizer, target_name=tname, draft_name=dname)
+    name = (draft.name or "draft") if lookup is None else f"pld+{draft.name or 'draft'}"
+    drafter = CrossVocabDrafter(draft.config, k, draft.dtype, name, lookup=lookup)
+    return drafter, make_params(draft.params, bridge)

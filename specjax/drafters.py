@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import cross_draft, sampling, vocab_bridge
+from specjax import cross_draft, sampling
 from specjax.models import feature_draft, llama
 from specjax.models.config import Config
 from specjax.models.model import Model
@@ -87,8 +87,8 @@ def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temp
         return PromptLookup(k, match=pld_match), ()
     if isinstance(draft, str) and draft.startswith("self:"):
         draft = self_draft_model(target, draft[len("self:"):])
-    if isinstance(draft, Model) and not same_vocab(target, draft):
-        return cross_vocab(target, draft, k)
+    if isinstance(draft, Model) and not cross_draft.same_vocab(target, draft):
+        return cross_draft.from_models(target, draft, k)
     if isinstance(draft, Model):
         check_vocab(target, draft)
         return ModelDrafter(draft.config, k, draft.dtype, draft.name or "draft"), draft.params
@@ -106,8 +106,8 @@ def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temp
     if isinstance(draft, tuple) and len(draft) == 2 and draft[0] == "pld" and isinstance(draft[1], Model):
         if temperature > 0:
             raise ValueError("multi-level drafting ('pld', Model) is a temperature-0 drafter")
-        if not same_vocab(target, draft[1]):
-            return cross_vocab(target, draft[1], k, lookup=PromptLookup(k, match=pld_match))
+        if not cross_draft.same_vocab(target, draft[1]):
+            return cross_draft.from_models(target, draft[1], k, lookup=PromptLookup(k, match=pld_match))
         check_vocab(target, draft[1])
         model = ModelDrafter(draft[1].config, k, draft[1].dtype, draft[1].name or "draft")
         return MultiLevel(model, PromptLookup(k, match=pld_match)), draft[1].params
@@ -121,42 +121,6 @@ def self_draft_model(target: Model, num_layers) -> Model:
         raise ValueError(f"draft 'self:{n}': N must be an integer in [1, {target.config.num_layers - 1}]")
     config = dataclasses.replace(target.config, num_layers=int(n))
     return Model(config, self_draft_params(target.params, int(n)), target.tokenizer, f"self:{n}", target.dtype)
-
-
-def same_vocab(target: Model, draft: Model) -> bool:
-    """Whether the draft shares the target's vocabulary: the same size and, where both models
-    have a tokenizer, the same tokens (without tokenizers, the same size is taken as the same)."""
-    if target.config.vocab_size != draft.config.vocab_size:
-        return False
-    same = _same_tokens(target.tokenizer, draft.tokenizer)
-    return same is None or same
-
-
-def _same_tokens(tt, dt) -> bool | None:
-    """Whether two tokenizers have the same tokens; None where either has no vocabulary to compare."""
-    if getattr(tt, "backend", None) is None or getattr(dt, "backend", None) is None:
-        return None
-    return tt.backend.get_vocab() == dt.backend.get_vocab()
-
-
-def cross_vocab(target: Model, draft: Model, k: int, lookup=None):
-    """(CrossVocabDrafter, its params) for a draft of another vocabulary: the bridge's tables are
-    built from both tokenizers (an error naming both models when either cannot be mapped)."""
-    if _same_tokens(target.tokenizer, draft.tokenizer):  # one tokenizer, embedding tables of two widths
-        raise ValueError(f"the draft {draft.name} has the target {target.name}'s tokenizer but an embedding table "
-                         f"of {draft.config.vocab_size} rows where the target has {target.config.vocab_size}: pad "
-                         "the narrower one (models.pad_vocab) instead of translating between equal vocabularies")
-    tname, dname = target.name or "the target", draft.name or "the draft"
-    vocab_bridge.check_bridgeable(target.tokenizer, draft.tokenizer, target_name=tname, draft_name=dname)
-    bridge = vocab_bridge.build_bridge(target.tokenizer, draft.tokenizer, target_name=tname, draft_name=dname)
-    for side, who, tok, cfg in (("target", tname, target.tokenizer, target.config),
-                                ("draft", dname, draft.tokenizer, draft.config)):
-        if tok.vocab_size > cfg.vocab_size:  # ids past the tokenizer's (padding rows) read as its last
-            raise ValueError(f"{side} {who}: its tokenizer has "
-                             f"{tok.vocab_size} tokens, more than its model's {cfg.vocab_size} embeddings")
-    name = (draft.name or "draft") if lookup is None else f"pld+{draft.name or 'draft'}"
-    drafter = cross_draft.CrossVocabDrafter(draft.config, k, draft.dtype, name, lookup=lookup)
-    return drafter, cross_draft.make_params(draft.params, bridge)
 
 
 def check_vocab(target: Model, draft: Model) -> None:

@@ -61,8 +61,9 @@ way, 1.0 by construction): greedy takes the longest entry where BPE's merge orde
   must hold anyway after verification).
 
 `check_bridgeable` refuses, before anything is built or compiled, a tokenizer that is missing or not
-a byte-level BPE, naming both models. The module is over 300 lines because it holds both
-algorithms and their host-side table builders, which share the byte helpers.
+a byte-level BPE, naming both models. The module is over 450 lines because it holds both
+algorithms, their host-side table builders (which share the byte helpers), the whole-token sync the
+cross-vocabulary drafter reads (`sync_to_draft`), and the tables' shapes for planning (`AbstractVocab`).
 """
 
 from __future__ import annotations
