@@ -72,7 +72,8 @@ def load_model(spec: str) -> models.Model:
 
 
 def resolve_draft(spec: str | None, target_spec: str):
-    """The Engine's `draft` argument of a draft spec: None, "pld", "self:N", a Model or ("pld", Model)."""
+    """The Engine's `draft` argument of a draft spec: None, "pld", "self:N", a Model or ("pld", Model).
+    A model of another family (another vocabulary) is translated inside the loop (docs/cross_vocab.md)."""
     if spec is None or spec.lower() in ("", "none"):
         return None
     if spec in ("pld",) or spec.startswith("self:"):

@@ -20,7 +20,10 @@ reported with the compiler's figure (not fitting) rather than as an error.
 The prompts fill half of --max_len (the rest is the generation budget); --draft is
 none, pld, a model, or pld+MODEL (FLy's multi-level drafting). A draft with a
 narrower embedding table than the target's (Qwen2.5 0.5B/1.5B: 151936 ids, 7B:
-152064; one tokenizer) is padded to the target's (`models.pad_vocab`).
+152064; one tokenizer) is padded to the target's (`models.pad_vocab`). With
+--cross_vocab the draft is of another family (--model=llama-3.1-8b --draft=qwen2.5-0.5b):
+its tokens are translated in the program (specjax.cross_draft) through tables of the
+two real vocabulary sizes, which the table counts ("translation tables").
 --attention places the heads (default auto: where the model axis is wider than the KV
 heads, each chip gets H/TP query heads and a copy of the KV head they read, docs/wide_tp.md);
 --fsdp also splits the target's weights over the data axis of --mesh. Beside the planned
@@ -53,6 +56,12 @@ _ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "replicate", "pad",
                                "How the heads are placed on the model axis (sharding.MeshConfig.attention): auto "
                                "shards them, repeating KV heads when the model axis is wider than G.")
 _FSDP = flags.DEFINE_bool("fsdp", False, "Also split the target's weights over the data axis (gathered per layer).")
+_CROSS = flags.DEFINE_bool("cross_vocab", False,
+                           "The draft has another vocabulary (another family, e.g. --model=llama-3.1-8b "
+                           "--draft=qwen2.5-0.5b): its tables are planned at the real vocabulary sizes "
+                           "(vocab_bridge.AbstractVocab, tokens of up to --token_bytes bytes).")
+_TOKEN_BYTES = flags.DEFINE_integer("token_bytes", 128, "With --cross_vocab: the longest token in bytes "
+                                    "(Qwen2.5's tokenizer: 128).")
 _REQUIRE_FIT = flags.DEFINE_bool("require_fit", False, "Exit with status 1 when the program does not fit HBM.")
 
 
@@ -72,7 +81,7 @@ def _abstract(source: str, dtype):
 
 
 def _draft(spec: str, target, dtype):
-    from specjax import models
+    from specjax import models, vocab_bridge
 
     if spec in ("", "none"):
         return None, "none"
@@ -80,7 +89,10 @@ def _draft(spec: str, target, dtype):
         return "pld", "pld"
     multi = spec.startswith("pld+")
     draft = _abstract(spec[4:] if multi else spec, dtype)
-    if draft.config.vocab_size < target.config.vocab_size:
+    if _CROSS.value:  # translated on the device: both vocabularies known by their sizes only
+        draft = draft.with_params(draft.params, tokenizer=vocab_bridge.AbstractVocab(draft.config.vocab_size,
+                                                                                      _TOKEN_BYTES.value))
+    elif draft.config.vocab_size < target.config.vocab_size:
         draft = models.pad_vocab(draft, target.config.vocab_size)
     return (("pld", draft) if multi else draft), spec
 
@@ -94,7 +106,7 @@ def main(argv):
     import jax.numpy as jnp
 
     import specjax
-    from specjax import aot, sharding
+    from specjax import aot, sharding, vocab_bridge
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[_DTYPE.value]
     topology = _TOPOLOGY.value
@@ -108,6 +120,9 @@ def main(argv):
         sys.exit(f"error: {e}")
     try:
         target = _abstract(_MODEL.value, dtype)
+        if _CROSS.value:
+            target = target.with_params(target.params, tokenizer=vocab_bridge.AbstractVocab(
+                target.config.vocab_size, _TOKEN_BYTES.value))
         draft, draft_name = _draft(_DRAFT.value, target, dtype)
     except (ValueError, KeyError) as e:
         sys.exit(f"error: {e}")
@@ -140,6 +155,7 @@ def main(argv):
                            f"{_DTYPE.value}"),
         ("heads", sharding.describe(engine.layout).replace("\n", "; ")),
         ("parameters (plan)", _gib(r.params_bytes) + f"  (hand count {_gib(hand['params'])})"),
+        ("translation tables", _gib(r.bridge_bytes) + " (replicated; in the parameters)"),
         ("KV caches (plan)", _gib(r.cache_bytes) + f"  (hand count {_gib(hand['cache'])})"),
         ("arguments (compiled)", _gib(r.argument_bytes)),
         ("temporaries (compiled)", _gib(r.temp_bytes) + ("" if r.compiled else " (the compiler's total minus parameters)")),
@@ -157,7 +173,7 @@ def main(argv):
     result = {"topology": topology, "chips": r.chips, "mesh": [data, model], "model": _MODEL.value,
               "draft": draft_name, "method": _METHOD.value, "dtype": _DTYPE.value,
               "attention": _ATTENTION.value, "fsdp": _FSDP.value, "params_bytes": r.params_bytes,
-              "cache_bytes": r.cache_bytes, "hand_params_bytes": hand["params"], "hand_cache_bytes": hand["cache"],
+              "cache_bytes": r.cache_bytes, "bridge_bytes": r.bridge_bytes, "hand_params_bytes": hand["params"], "hand_cache_bytes": hand["cache"],
               "mosaic_kernels": r.mosaic_kernels, "bytes_per_device": r.bytes_per_device,
               "hbm_bytes_per_device": r.hbm_bytes, "fits": r.fits}
     print("RESULT " + json.dumps(result), flush=True)

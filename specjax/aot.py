@@ -135,6 +135,7 @@ class CompileReport:
     # Mosaic kernels are counted in the lowered program
     compiled: bool = True
     note: str = ""
+    bridge_bytes: int = 0  # a cross-vocabulary draft's translation tables (replicated; in params_bytes too)
 
     @property
     def bytes_per_device(self) -> int:
@@ -164,12 +165,21 @@ def hand_count(config, model_axis: int, data_axis: int, batch: int, max_len: int
     return {"params": params * itemsize, "cache": 2 * L * rows * max_len * kv * Dh * itemsize + 4 * rows}
 
 
+def bridge_bytes(engine) -> int:
+    """Bytes of a cross-vocabulary draft's tables (`vocab_bridge.Bridge`, on every device); 0 without one."""
+    draft = engine.params.draft
+    if not isinstance(draft, dict) or "bridge" not in draft:
+        return 0
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(draft["bridge"]))
+
+
 def compile_report(engine, prompts, topology: str) -> CompileReport:
     """Lowers and compiles `engine`'s whole generation program for its (topology) mesh."""
     import time
 
     mesh = engine.layout.mesh
     plan = sharding.memory_report(engine, len(prompts), engine.max_len)
+    tables = bridge_bytes(engine)
     start = time.perf_counter()
     # the engine's backend chose the kernels for the mesh's platform, not the host's
     # (eager ops, e.g. a rule's fresh state, stay on the host)
@@ -191,7 +201,7 @@ def compile_report(engine, prompts, topology: str) -> CompileReport:
             argument_bytes=params, output_bytes=0, temp_bytes=temp,
             alias_bytes=0, code_bytes=0, mosaic_kernels=count_mosaic_kernels(lowered.as_text()),
             compile_seconds=time.perf_counter() - start, compiled=False,
-            note="the TPU compiler refused it: " + found.group(0))
+            note="the TPU compiler refused it: " + found.group(0), bridge_bytes=tables)
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     return CompileReport(
@@ -201,4 +211,4 @@ def compile_report(engine, prompts, topology: str) -> CompileReport:
         argument_bytes=int(mem.argument_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
         temp_bytes=int(mem.temp_size_in_bytes), alias_bytes=int(mem.alias_size_in_bytes),
         code_bytes=int(mem.generated_code_size_in_bytes),
-        mosaic_kernels=count_mosaic_kernels(compiled.as_text()), compile_seconds=seconds)
+        mosaic_kernels=count_mosaic_kernels(compiled.as_text()), compile_seconds=seconds, bridge_bytes=tables)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import sampling
+from specjax import cross_draft, sampling
 from specjax.models import feature_draft, llama
 from specjax.models.config import Config
 from specjax.models.model import Model
@@ -76,7 +76,8 @@ def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temp
     """(drafter, draft params) for the Engine's `draft` argument; (None, ()) for target-only decoding.
 
     draft: None, "pld" (prompt lookup), "self:N" (the target's first N layers), a Model
-    sharing the target's vocabulary, ("pld", Model) (FLy's multi-level drafting, T = 0), a
+    (sharing the target's vocabulary, or of another byte-level BPE vocabulary: then a
+    `cross_draft.CrossVocabDrafter`), ("pld", Model) (FLy's multi-level drafting, T = 0), a
     models.FeatureDraft (reads the target's last-layer features), or ("pld", FeatureDraft)
     (the lookup's continuation where it matches, the feature draft's elsewhere; T = 0).
     """
@@ -86,6 +87,8 @@ def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temp
         return PromptLookup(k, match=pld_match), ()
     if isinstance(draft, str) and draft.startswith("self:"):
         draft = self_draft_model(target, draft[len("self:"):])
+    if isinstance(draft, Model) and not cross_draft.same_vocab(target, draft):
+        return cross_draft.from_models(target, draft, k)
     if isinstance(draft, Model):
         check_vocab(target, draft)
         return ModelDrafter(draft.config, k, draft.dtype, draft.name or "draft"), draft.params
@@ -101,9 +104,11 @@ def from_spec(draft, target: Model, k: int, *, pld_match: str = "earliest", temp
         model, params = from_spec(draft[1], target, k)
         return LookupFirst(model, PromptLookup(k, match=pld_match)), params
     if isinstance(draft, tuple) and len(draft) == 2 and draft[0] == "pld" and isinstance(draft[1], Model):
-        check_vocab(target, draft[1])
         if temperature > 0:
             raise ValueError("multi-level drafting ('pld', Model) is a temperature-0 drafter")
+        if not cross_draft.same_vocab(target, draft[1]):
+            return cross_draft.from_models(target, draft[1], k, lookup=PromptLookup(k, match=pld_match))
+        check_vocab(target, draft[1])
         model = ModelDrafter(draft[1].config, k, draft[1].dtype, draft[1].name or "draft")
         return MultiLevel(model, PromptLookup(k, match=pld_match)), draft[1].params
     raise ValueError(f"unknown draft {draft!r:.80}; expected one of {', '.join(SPECS)}")

@@ -61,12 +61,14 @@ way, 1.0 by construction): greedy takes the longest entry where BPE's merge orde
   must hold anyway after verification).
 
 `check_bridgeable` refuses, before anything is built or compiled, a tokenizer that is missing or not
-a byte-level BPE, naming both models. The module is over 300 lines because it holds both
-algorithms and their host-side table builders, which share the byte helpers.
+a byte-level BPE, naming both models. The module is over 450 lines because it holds both
+algorithms, their host-side table builders (which share the byte helpers), the whole-token sync the
+cross-vocabulary drafter reads (`sync_to_draft`), and the tables' shapes for planning (`AbstractVocab`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -159,6 +161,18 @@ def encode_bytes(tok, data: bytes) -> list[int]:
     return ids
 
 
+@dataclasses.dataclass(frozen=True)
+class AbstractVocab:
+    """A byte-level vocabulary known only by its sizes, as an abstract model's tokenizer
+    (`models.abstract`): `build_bridge` of two of them gives tables of `jax.ShapeDtypeStruct`s of
+    the real sizes, for planning and ahead-of-time compilation (no tokenizer files at hand).
+
+    width: the longest token in bytes (Qwen2.5's and SmolLM2's: 128 and 81)."""
+
+    vocab_size: int
+    width: int = 128
+
+
 def check_bridgeable(target_tok, draft_tok, *, target_name: str = "target", draft_name: str = "draft") -> None:
     """Raise ValueError naming both models when either tokenizer cannot be bridged.
 
@@ -176,6 +190,8 @@ def check_bridgeable(target_tok, draft_tok, *, target_name: str = "target", draf
 def _not_byte_level(tok) -> str | None:
     if tok is None:
         return "is missing"
+    if isinstance(tok, AbstractVocab):
+        return None
     backend = getattr(tok, "backend", None)
     if backend is None or not hasattr(tok, "vocab_size"):
         return f"is a {type(tok).__name__}, not a specjax.models.Tokenizer"
@@ -303,6 +319,8 @@ def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_na
                  algorithm: str = "greedy", match_len: int = 32) -> Bridge:
     """Host, once: check both tokenizers and build the device tables of `algorithm`."""
     check_bridgeable(target_tok, draft_tok, target_name=target_name, draft_name=draft_name)
+    if isinstance(target_tok, AbstractVocab) or isinstance(draft_tok, AbstractVocab):
+        return abstract_bridge(target_tok, draft_tok, algorithm=algorithm, match_len=match_len)
     if algorithm == "table":
         d2t_ids, d2t_len = build_table(draft_tok, target_tok)
         t2d_ids, t2d_len = build_table(target_tok, draft_tok)
@@ -321,6 +339,25 @@ def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_na
     arrays["d2t_special_Vd"] = _special_map(draft_tok, target_tok)
     arrays["t2d_special_Vt"] = _special_map(target_tok, draft_tok)
     return Bridge(algorithm="greedy", match_len=match_len, **{k: jnp.asarray(v) for k, v in arrays.items()})
+
+
+def abstract_bridge(target: AbstractVocab, draft: AbstractVocab, *, algorithm: str = "greedy",
+                    match_len: int = 32) -> Bridge:
+    """The tables' shapes for two vocabularies of these sizes (every token hashed: an upper bound)."""
+    if not (isinstance(target, AbstractVocab) and isinstance(draft, AbstractVocab)):
+        raise ValueError("an abstract bridge needs two AbstractVocab sizes (one real tokenizer and one "
+                         "abstract cannot be bridged)")
+    sds = jax.ShapeDtypeStruct
+    Vt, Vd = target.vocab_size, draft.vocab_size
+    if algorithm == "table":  # a row holds at most one id per byte
+        return Bridge(algorithm="table", d2t_ids_VdxW=sds((Vd, draft.width), jnp.int32), d2t_len_Vd=sds((Vd,), jnp.int32),
+                      t2d_ids_VtxW=sds((Vt, target.width), jnp.int32), t2d_len_Vt=sds((Vt,), jnp.int32))
+    return Bridge(algorithm="greedy", match_len=match_len,
+                  draft_bytes_VdxB=sds((Vd, draft.width), jnp.uint8), draft_nb_Vd=sds((Vd,), jnp.int32),
+                  target_bytes_VtxB=sds((Vt, target.width), jnp.uint8), target_nb_Vt=sds((Vt,), jnp.int32),
+                  draft_hash_H=sds((Vd,), jnp.uint32), draft_hash_id_H=sds((Vd,), jnp.int32),
+                  target_hash_H=sds((Vt,), jnp.uint32), target_hash_id_H=sds((Vt,), jnp.int32),
+                  d2t_special_Vd=sds((Vd,), jnp.int32), t2d_special_Vt=sds((Vt,), jnp.int32))
 
 
 # --- device -----------------------------------------------------------------------------------------
@@ -357,7 +394,7 @@ def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_speci
     """One row, greedy longest match: the bytes of the first `n` source tokens, re-cut left to right
     into the longest destination tokens (of at most `match_len` bytes) -> (out_C, count, consumed).
 
-    The bytes go into one buffer (a special token is one marker slot); each of the `cap` steps
+    The bytes go into one buffer (a special token is one marker slot); each of the (at most `cap`) steps
     hashes every prefix of the next `match_len` bytes, looks the hashes up with `searchsorted`,
     checks the candidates' bytes, and emits the longest that matches (a byte always does). It
     stops before a special token with no counterpart. `consumed` counts the source tokens whose
@@ -380,8 +417,12 @@ def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_speci
     pow_L = jnp.asarray([pow(_HASH_MUL, j, 1 << 32) for j in range(L)], jnp.uint32)
     len_L = jnp.arange(1, L + 1)
 
-    def step(t, carry):
-        pos, count, out_C = carry
+    def more(carry):  # under vmap: until every row is done or stopped
+        t, pos, count, stopped, out_C = carry
+        return (t < cap) & (pos < total) & ~stopped
+
+    def step(carry):
+        t, pos, count, _, out_C = carry
         win_L = jax.lax.dynamic_slice(buf_S, (pos,), (L,))
         plain_L = jnp.cumprod(((win_L >= 0) & (win_L < 256)).astype(jnp.int32)).astype(bool)
         h_L = jnp.cumsum((win_L.astype(jnp.uint32) + jnp.uint32(1)) * pow_L, dtype=jnp.uint32)
@@ -396,10 +437,11 @@ def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_speci
         step_len = jnp.where(special, 1, best)
         active = (pos < total) & (step_len > 0)  # no match: a byte the destination lacks; stop there
         out_C = out_C.at[t].set(jnp.where(active, tok, 0))
-        return (pos + jnp.where(active, step_len, 0), count + active.astype(jnp.int32), out_C)
+        return (t + 1, pos + jnp.where(active, step_len, 0), count + active.astype(jnp.int32), ~active, out_C)
 
-    pos, count, out_C = jax.lax.fori_loop(
-        0, cap, step, (jnp.int32(0), jnp.int32(0), jnp.zeros((cap,), jnp.int32)))
+    # a while_loop, not cap fixed steps: a long cap (a whole prompt) costs only what its bytes need
+    _, pos, count, _, out_C = jax.lax.while_loop(
+        more, step, (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.bool_(False), jnp.zeros((cap,), jnp.int32)))
     consumed = jnp.sum(live_N & (end_N <= pos)).astype(jnp.int32)
     return out_C, count, consumed
 
@@ -425,6 +467,41 @@ def target_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: 
     return resegment(target_ids_N, n, bridge.target_bytes_VtxB, bridge.target_nb_Vt, bridge.t2d_special_Vt,
                      bridge.draft_hash_H, bridge.draft_hash_id_H, bridge.draft_bytes_VdxB,
                      bridge.draft_nb_Vd, cap, bridge.match_len)
+
+
+def sync_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: int):
+    """Committed target tokens -> (draft_ids_C, count, advance): the draft's context grows by whole
+    target tokens only, so a later call goes on exactly where this one stopped.
+
+    `count` draft ids spell the first `consumed` target tokens whole (a re-cut whose last id would
+    end inside a target token is cut back to the last token boundary: that token waits for the next
+    call). `advance` is how far the caller's sync point moves: `consumed`, or `consumed + 1` past a
+    token that cannot be spelled in the draft's vocabulary (a special with no counterpart, a byte the
+    draft lacks): that token is left out of the draft's context, never retried. When the first
+    token alone needs more than `cap` draft ids, the `cap` ids are kept and the rest of it dropped.
+    """
+    N = target_ids_N.shape[0]
+    out_C, count, consumed = target_to_draft(bridge, target_ids_N, n, cap)
+    j_N = jnp.arange(N)
+    if bridge.algorithm == "table":  # whole rows only: count already spells `consumed` tokens
+        blocked = (consumed < n) & (bridge.t2d_len_Vt[target_ids_N[jnp.minimum(consumed, N - 1)]] < 0)
+        too_long = (consumed == 0) & (n > 0)  # one token's row wider than cap
+        return out_C, count, consumed + (blocked | too_long).astype(jnp.int32)
+    # byte ends of the source tokens and of the emitted ids (a special is one slot on both sides)
+    end_N = jnp.cumsum(jnp.where(j_N < n, bridge.target_nb_Vt[target_ids_N], 0))
+    c_C = jnp.arange(1, cap + 1)
+    end_C = jnp.cumsum(jnp.where(c_C <= count, bridge.draft_nb_Vd[out_C], 0))
+    at_C = jnp.searchsorted(end_N, end_C, side="left")  # the token whose end could equal end_C
+    on_boundary_C = (c_C <= count) & (at_C < n) & (end_N[jnp.minimum(at_C, N - 1)] == end_C)
+    whole = jnp.max(jnp.where(on_boundary_C, c_C, 0))  # ids kept
+    tokens = jnp.where(whole > 0, at_C[jnp.maximum(whole - 1, 0)] + 1, 0)  # target tokens they spell
+    full = count == cap
+    advance = jnp.where(tokens == n, n,
+                        jnp.where(~full, tokens + 1,  # stopped before an unspellable token: skip it
+                                  jnp.where(tokens == 0, 1, tokens)))  # cap reached: rest next time
+    keep = jnp.where(full & (tokens == 0) & (n > 0), count, whole)
+    out_C = jnp.where(jnp.arange(cap) < keep, out_C, 0)
+    return out_C, keep.astype(jnp.int32), jnp.minimum(advance, n).astype(jnp.int32)
 
 
 def translate_host(ids: Sequence[int], table_VxW: np.ndarray, len_V: np.ndarray) -> list[int]:

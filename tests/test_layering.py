@@ -42,7 +42,8 @@ LAYERS = [
     ("native", ["specjax.native"]),
     ("sharding", ["specjax.sharding"]),
     ("loader", ["specjax.models.model", "specjax.models"]),
-    ("drafters", ["specjax.drafters", "specjax.metrics", "specjax.vocab_bridge"]),
+    ("drafters", ["specjax.drafters", "specjax.metrics", "specjax.vocab_bridge",
+                  "specjax.cross_draft"]),
     ("loop", ["specjax.loop"]),
     ("engine", ["specjax.engine", "specjax.compile_cache", "specjax.aot", "specjax"]),
 ]

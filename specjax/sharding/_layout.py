@@ -50,6 +50,8 @@ class Layout:
             lengths = jax.lax.with_sharding_constraint(x.lengths, self.named(P(spec[1])))
             return llama.KVCache(c(x.k), c(x.v), lengths)
         if isinstance(x, jax.Array) or hasattr(x, "shape"):
+            if kind == "draft_cache":  # a drafter's per-row arrays beside its cache ([B, ...]): split by row
+                kind = "rows"
             return jax.lax.with_sharding_constraint(x, self.named(self.spec(kind, x.shape)))
         return jax.tree.map(lambda a: self.constrain(kind, a), x,
                             is_leaf=lambda a: isinstance(a, llama.KVCache))

@@ -38,6 +38,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "layers/w_up": ("layers", "embed", "mlp"),
     "layers/w_down": ("layers", "mlp", "embed"),
 }
+BRIDGE = "bridge"  # the key of a cross-vocabulary draft's tables in its params (specjax.cross_draft)
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")  # KVCache.k / .v
 LOGITS_AXES = ("batch", None, "vocab")  # [B, T, V]
 ROWS_AXES = ("batch", None)  # per-row buffers [B, S]
@@ -310,6 +311,8 @@ def param_specs(params, plan: ModelPlan, mesh: Mesh):
 
     def one(keys, x):
         path = _path(keys)
+        if path.startswith(BRIDGE + "/"):  # a cross-vocabulary draft's translation tables: on every device
+            return P()
         if path not in PARAM_AXES:
             raise ValueError(f"no sharding rule for parameter {path!r} (known: {', '.join(PARAM_AXES)})")
         logical = PARAM_AXES[path]
