@@ -44,7 +44,7 @@ LAYERS = [
     ("loader", ["specjax.models.model", "specjax.models"]),
     ("drafters", ["specjax.drafters", "specjax.metrics", "specjax.vocab_bridge"]),
     ("loop", ["specjax.loop"]),
-    ("engine", ["specjax.engine", "specjax.compile_cache", "specjax.aot", "specjax"]),
+    ("engine", ["specjax.engine", "specjax.costs", "specjax.compile_cache", "specjax.aot", "specjax"]),
 ]
 
 
