@@ -160,16 +160,16 @@ def empty_round(target, prompts) -> None:
         program, args = engine._prepare([ids])
         if engine.drafter is not None:
             program = dataclasses.replace(program, drafter=Silent(engine.drafter))
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         out = jax.device_get(program.run(**args))
-        return time.perf_counter() - t, int(out.counters.rounds_B[0])
+        return (time.perf_counter() - t, time.process_time() - cpu), int(out.counters.rounds_B[0])
 
     _log("compiling ...")
     for ids in {baseline.prompt_width([p]): p for p in prompts}.values():
         timed(baseline, ids)
         for engine in configs.values():
             timed(engine, ids)
-    ratios = {name: [] for name in configs}
+    ratios = {name: [] for name in configs}  # per prompt: (wall-clock ratio, CPU-time ratio)
     for i, ids in enumerate(prompts):
         base, runs = [], {name: [] for name in configs}
         for _ in range(_REPEATS.value):  # interleaved: target-only, then each configuration, again and again
@@ -179,17 +179,22 @@ def empty_round(target, prompts) -> None:
                 assert rounds == _NEW.value - 1, rounds  # one token per round, the first from the prefill
                 runs[name].append(seconds)
         for name in configs:
-            ratios[name].append(statistics.median(runs[name]) / statistics.median(base))
-        _log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{n} {r[-1]:.3f}" for n, r in ratios.items()))
+            ratios[name].append(tuple(statistics.median(s[j] for s in runs[name]) / statistics.median(s[j] for s in base)
+                                      for j in (0, 1)))
+        _log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{n} {r[-1][0]:.3f} (CPU {r[-1][1]:.3f})"
+                                                           for n, r in ratios.items()))
     print(f"\nmachine: {C.machine()}; load averages at the end {os.getloadavg()}")
     print(f"target {_MODEL.value}; {len(prompts)} prompts ({', '.join(_DATASETS.value)}); {_NEW.value} new tokens, "
           f"batch 1, K = {_K.value[-1]}; a prompt lookup whose proposal is dropped every round")
     print("cost of a round that proposes nothing, in target-only steps (per prompt: median of "
           f"{_REPEATS.value} interleaved runs / median of as many target-only runs)\n")
-    print("| configuration | median over prompts | per prompt |")
-    print("|---|---|---|")
+    print("CPU time: the process's CPU seconds (all threads), less disturbed than the wall clock on a busy machine\n")
+    print("| configuration | wall clock: median over prompts | per prompt | CPU time: median over prompts | per prompt |")
+    print("|---|---|---|---|---|")
     for name, r in ratios.items():
-        print(f"| {name} | {statistics.median(r):.3f} | {' '.join(f'{x:.3f}' for x in r)} |")
+        wall, cpu = [x[0] for x in r], [x[1] for x in r]
+        print(f"| {name} | {statistics.median(wall):.3f} | {' '.join(f'{x:.3f}' for x in wall)} "
+              f"| {statistics.median(cpu):.3f} | {' '.join(f'{x:.3f}' for x in cpu)} |")
 
 
 def expected_tau(agreement: float, k: int) -> float:

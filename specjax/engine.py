@@ -190,7 +190,7 @@ class Engine:
                 if jax.tree.leaves(draft_params) else draft_params)
 
     # -- inputs --------------------------------------------------------------
-    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None):
+    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None, measure: bool = True):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         V = self.target.config.vocab_size
@@ -230,7 +230,7 @@ class Engine:
         state = self._rule_state(len(prompts), rule_state)
         # host arrays: jit transfers them; the PRNG key is made inside the program
         inputs = dict(prompt_BT=prompt_BT, prompt_len_B=np.asarray(lengths, np.int32), seed=np.uint32(self.seed),
-                      rule_state=state, costs=self._costs(program, len(prompts)))
+                      rule_state=state, costs=self._costs(program, len(prompts), measure))
         if self.layout is not None:  # rows split over "data" (a batch it does not divide is an error)
             self.layout.check_batch(len(prompts))
             rows = self.layout.spec("rows")
@@ -242,13 +242,16 @@ class Engine:
                                                  rule_state=jax.tree.map(lambda _: self.layout.replicated, state)))
         return program, dict(params=self.params, **inputs)
 
-    def _costs(self, program: loop.Program, batch_size: int):
+    def _costs(self, program: loop.Program, batch_size: int, measure: bool = True):
         """The adaptive program's cost input (verify seconds at its compiled widths, a draft
         step) from the engine's table, measured for this batch size if none was given; ()
-        for a program that does not adapt."""
+        for a program that does not adapt. measure=False (lowering: only the shapes matter, and a
+        deviceless AOT target cannot be timed): ones where no table is at hand."""
         if not program.adapts:
             return ()
         table = self.costs
+        if table is None and not measure and batch_size not in self._measured:
+            return {"verify_W": np.ones(len(program.widths), np.float32), "draft_step": np.float32(0.0)}
         if table is None:
             table = self._measured.get(batch_size)
             if table is None:
@@ -322,7 +325,7 @@ class Engine:
     def lower(self, prompts: Sequence[Sequence[int]], rule_state=None) -> jax.stages.Lowered:
         """The whole generation for these prompts' shapes, lowered (`.compile()` fills the cache
         that `generate` reads)."""
-        program, args = self._prepare(prompts, rule_state)
+        program, args = self._prepare(prompts, rule_state, measure=False)
         return loop.Program.run.lower(program, **args)
 
 

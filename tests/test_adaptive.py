@@ -167,3 +167,13 @@ def test_adaptive_is_off_without_a_draft_and_with_adaptive_false(target):
     assert specjax.Engine(target, draft="pld", adaptive=False).cost_table() is None
     with pytest.raises(ValueError, match="adaptive must be True or False"):
         specjax.Engine(target, draft="pld", adaptive="yes")
+
+
+def test_merged_statistics_add_the_widths(target):
+    from specjax import metrics
+
+    engine = specjax.Engine(target, draft="pld", method="exact", k=K, max_new_tokens=NEW, costs=MIDDLE)
+    parts = [engine.generate([p]).stats for p in PROMPTS]
+    merged = metrics.merge(parts)
+    assert merged["widths"] == np.sum([p["widths"] for p in parts], axis=0).tolist()
+    assert sum(merged["widths"]) == sum(p["rounds"] for p in parts)
