@@ -14,7 +14,17 @@ draft reaches (run benchmark.py for its tau).
     python experiments/break_even.py --cost_of=none,DRAFT_DIR --k=1,2,4 --agreement=1,0.9,0.8,0.6,0.4
 
 Configurations are interleaved prompt by prompt between two target-only runs (as benchmark.py);
-tokens/s are totals over the prompts, speedups against the mean of the baselines.
+tokens/s are totals over the prompts, speedups against the mean of the baselines. The scripted
+programs verify every proposal whole (`adaptive=False`): the table is about fixed K.
+
+--empty_round measures instead what a round that proposes nothing costs, in target steps: the
+real prompt lookup runs every round but its proposal is dropped (num_draft = 0), so each round
+emits one token as target-only decoding does; per prompt and method, the median of --repeats
+interleaved runs against the median of as many target-only runs (both generate exactly
+--max_new_tokens, no EOS), with the adaptive loop (default: a plain step skips the rule) and
+the fixed-K loop (every round scores and verifies).
+
+    python experiments/break_even.py --empty_round --max_new_tokens=96 --num_prompts=4 --repeats=5
 """
 
 from __future__ import annotations
@@ -45,6 +55,9 @@ _TARGET = flags.DEFINE_float("goal", 1.3, "Speedup whose needed agreement the su
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the scripted mistakes.")
 _BUCKET = flags.DEFINE_integer("prompt_bucket", 64, "Prompts padded to a multiple of this (Engine's prompt_bucket).")
 _CSV = flags.DEFINE_string("csv", "break_even.csv", "Where to write the rows (empty: nowhere).")
+_EMPTY = flags.DEFINE_bool("empty_round", False, "Measure the cost of a round that proposes nothing (see above).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "--empty_round: interleaved runs per prompt and configuration.")
+_METHODS = flags.DEFINE_list("methods", ["exact", "fly"], "--empty_round: the rules measured.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +110,93 @@ class Scripted:
         return drafts_BK, jnp.full((B,), self.k, jnp.int32), None, state
 
 
+@dataclasses.dataclass(frozen=True)
+class Silent:
+    """A drafter (`drafters.Drafter`) that runs `inner`'s whole proposal and then proposes nothing:
+    a round costs what proposing costs, and emits one token."""
+
+    inner: Any
+    uses_features = False
+
+    @property
+    def k(self) -> int:
+        return self.inner.k
+
+    @property
+    def name(self) -> str:
+        return f"silent({self.inner.name})"
+
+    def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None):
+        return self.inner.init(params, prompt_BT, prompt_len_B, max_len, backend=backend)
+
+    def observe(self, state, features_BRD, base_B):
+        return state
+
+    def propose(self, params, state, seq_BS, lengths_B, key, temperature, *, backend=None):
+        import jax.numpy as jnp
+
+        drafts_BK, num_draft_B, probs_BKV, state = self.inner.propose(params, state, seq_BS, lengths_B, key,
+                                                                      temperature, backend=backend)
+        # the drafts stay in the program (they are the padding the commit reads), only their count is 0
+        return drafts_BK, jnp.zeros_like(num_draft_B), probs_BKV, state
+
+
+def empty_round(target, prompts) -> None:
+    """Prints the cost of a round that proposes nothing, in target steps (see the module docstring)."""
+    import jax
+
+    import specjax
+
+    settings = dict(max_new_tokens=_NEW.value, prompt_bucket=_BUCKET.value, eos_ids=())
+    baseline = specjax.Engine(target, **settings)
+    configs = {}
+    for method in _METHODS.value:
+        for adaptive in (True, False):
+            engine = specjax.Engine(target, draft="pld", method=method, k=int(_K.value[-1]), adaptive=adaptive,
+                                    **settings)
+            configs[f"{method}, {'adaptive' if adaptive else 'fixed K'}"] = engine
+
+    def timed(engine, ids):
+        program, args = engine._prepare([ids])
+        if engine.drafter is not None:
+            program = dataclasses.replace(program, drafter=Silent(engine.drafter))
+        t, cpu = time.perf_counter(), time.process_time()
+        out = jax.device_get(program.run(**args))
+        return (time.perf_counter() - t, time.process_time() - cpu), int(out.counters.rounds_B[0])
+
+    _log("compiling ...")
+    for ids in {baseline.prompt_width([p]): p for p in prompts}.values():
+        timed(baseline, ids)
+        for engine in configs.values():
+            timed(engine, ids)
+    ratios = {name: [] for name in configs}  # per prompt: (wall-clock ratio, CPU-time ratio)
+    for i, ids in enumerate(prompts):
+        base, runs = [], {name: [] for name in configs}
+        for _ in range(_REPEATS.value):  # interleaved: target-only, then each configuration, again and again
+            base.append(timed(baseline, ids)[0])
+            for name, engine in configs.items():
+                seconds, rounds = timed(engine, ids)
+                assert rounds == _NEW.value - 1, rounds  # one token per round, the first from the prefill
+                runs[name].append(seconds)
+        for name in configs:
+            ratios[name].append(tuple(statistics.median(s[j] for s in runs[name]) / statistics.median(s[j] for s in base)
+                                      for j in (0, 1)))
+        _log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(f"{n} {r[-1][0]:.3f} (CPU {r[-1][1]:.3f})"
+                                                           for n, r in ratios.items()))
+    print(f"\nmachine: {C.machine()}; load averages at the end {os.getloadavg()}")
+    print(f"target {_MODEL.value}; {len(prompts)} prompts ({', '.join(_DATASETS.value)}); {_NEW.value} new tokens, "
+          f"batch 1, K = {_K.value[-1]}; a prompt lookup whose proposal is dropped every round")
+    print("cost of a round that proposes nothing, in target-only steps (per prompt: median of "
+          f"{_REPEATS.value} interleaved runs / median of as many target-only runs)\n")
+    print("CPU time: the process's CPU seconds (all threads), less disturbed than the wall clock on a busy machine\n")
+    print("| configuration | wall clock: median over prompts | per prompt | CPU time: median over prompts | per prompt |")
+    print("|---|---|---|---|---|")
+    for name, r in ratios.items():
+        wall, cpu = [x[0] for x in r], [x[1] for x in r]
+        print(f"| {name} | {statistics.median(wall):.3f} | {' '.join(f'{x:.3f}' for x in wall)} "
+              f"| {statistics.median(cpu):.3f} | {' '.join(f'{x:.3f}' for x in cpu)} |")
+
+
 def expected_tau(agreement: float, k: int) -> float:
     """Tokens per round of exact verification when each draft is right independently with
     probability `agreement`: 1 + a + a^2 + ... + a^K."""
@@ -123,7 +223,7 @@ class Config:
 
         draft = C.resolve_draft(cost, _MODEL.value) if cost != "none" else "pld"
         self.engine = specjax.Engine(target, draft=draft, method="exact", k=k, max_new_tokens=_NEW.value,
-                                     prompt_bucket=_BUCKET.value)
+                                     prompt_bucket=_BUCKET.value, adaptive=False)
         self.cost, self.k = cost, k
         self.inner = None if cost == "none" else self.engine.drafter
 
@@ -164,7 +264,7 @@ def main(argv):
         raise app.UsageError(f"--k must be one or more integers >= 1, got {_K.value}")
     if not agreements or not all(0.0 <= a <= 1.0 for a in agreements):
         raise app.UsageError(f"--agreement values must lie in [0, 1], got {_AGREE.value}")
-    for f in (_NUM, _NEW, _BUCKET):
+    for f in (_NUM, _NEW, _BUCKET, _REPEATS):
         if f.value <= 0:
             raise app.UsageError(f"--{f.name} must be positive")
     logging.set_verbosity(logging.WARNING)
@@ -183,6 +283,8 @@ def main(argv):
             prompts += [tok.chat_prompt_ids(m) for m in data.messages(dataset, _NUM.value)]
         else:
             raise app.UsageError(f"--datasets: unknown {dataset!r} (mtbench, humaneval)")
+    if _EMPTY.value:
+        return empty_round(target, prompts)
     baseline = specjax.Engine(target, max_new_tokens=_NEW.value, prompt_bucket=_BUCKET.value)
     configs = [Config(target, cost, k) for cost in _COST.value for k in ks]
     keys = [(c, a) for c in configs for a in agreements]

@@ -59,6 +59,12 @@ class Drafter(Protocol):
         """The state after the target scored R = K + 1 fed positions (fed position j of row b is
         base_B[b] + j), with their features (None unless `uses_features`)."""
 
+    # Optional, for the adaptive loop (`loop.Program`, adaptive=True); a drafter without them works:
+    #   levels: int (default 1) and propose_levels(...) -> propose's tuple + level int32[B] in
+    #       [0, levels): which of its levels proposed each row (acceptance is learned per level).
+    #   truncated(k) -> the same drafter proposing k <= K tokens with the same state, so that a
+    #       round drafts only as many model steps as it will verify (drafters whose steps cost).
+
 
 class _Stateless:
     """Defaults of the `Drafter` methods a drafter without features does not need."""
@@ -187,6 +193,10 @@ class ModelDrafter(_Stateless):
             probs_BKV = jnp.concatenate([q0_BV[:, None], jnp.moveaxis(q_KBV, 0, 1)], axis=1)
         return drafts_BK, jnp.full((B,), self.k, jnp.int32), probs_BKV, cache
 
+    def truncated(self, k: int) -> "ModelDrafter":
+        """This drafter proposing k tokens (its cache does not depend on k)."""
+        return dataclasses.replace(self, k=k)
+
 
 def self_draft_params(params, num_layers: int):
     """The target's first `num_layers` layers with its own embedding, final norm and head."""
@@ -253,15 +263,22 @@ class MultiLevel(_Stateless):
     model: ModelDrafter
     lookup: PromptLookup
     name: str = "pld+draft"
+    levels: ClassVar[int] = 2  # 0: the lookup found a match (its tokens, checked and extended); 1: the model alone
 
     @property
     def k(self) -> int:
         return self.model.k
 
+    def truncated(self, k: int) -> "MultiLevel":
+        return dataclasses.replace(self, model=self.model.truncated(k), lookup=dataclasses.replace(self.lookup, k=k))
+
     def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None):
         return self.model.init(params, prompt_BT, prompt_len_B, max_len, backend=backend)
 
     def propose(self, params, cache, seq_BS, lengths_B, key, temperature, *, backend=None):
+        return self.propose_levels(params, cache, seq_BS, lengths_B, key, temperature, backend=backend)[:4]
+
+    def propose_levels(self, params, cache, seq_BS, lengths_B, key, temperature, *, backend=None):
         K, cfg, dtype = self.k, self.model.config, self.model.dtype
         B = seq_BS.shape[0]
         p_BK, np_B, found_B = self.lookup.lookup(seq_BS, lengths_B)
@@ -292,7 +309,7 @@ class MultiLevel(_Stateless):
             return jnp.where(fill_BK, d_B[:, None], drafts_BK), c_B + 1, cache
 
         drafts_BK, _, cache = jax.lax.while_loop(more, step, (drafts_BK, c_B, cache))
-        return drafts_BK, jnp.full((B,), K, jnp.int32), None, cache
+        return drafts_BK, jnp.full((B,), K, jnp.int32), None, cache, jnp.where(found_B, 0, 1).astype(jnp.int32)
 
 
 @struct.dataclass(kw_only=True)

@@ -64,6 +64,11 @@ class Engine:
     longest prompt is padded to, or None for a geometric ladder of widths (`prompt_width`;
     the program's shapes follow from the width, so fewer widths compile fewer programs).
     Compiled programs are kept on disk (`specjax.compile_cache`).
+    adaptive: each round verifies only the draft prefix whose expected tokens pay for its width
+    (k is then the most), from the acceptance seen so far and `costs`, a `specjax.costs.CostTable`
+    (seconds per verify width 1 .. k + 1 and per draft step) or None: measured once per engine
+    configuration and batch size on this platform and kept on disk (docs/adaptive.md).
+    adaptive=False verifies every proposal whole (the fixed-K loop, for experiments and ablations).
     matmul: "auto" (decode-sized matmuls on an unsharded CPU program run in specjax.native's
     kernel, which reads block codes inside the dot; elsewhere XLA's dot), "native" (required:
     an error where it cannot run), "q8" (the kernel's int8-activation path for block-quantized
@@ -93,7 +98,7 @@ class Engine:
                  max_new_tokens: int = 128, max_len: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, mesh=None, eos_ids: Sequence[int] | None = None,
                  pld_match: str = "earliest", prompt_bucket: int | None = None, layers: str = "stacked",
-                 matmul: str = "auto", **rule_options):
+                 matmul: str = "auto", adaptive: bool = True, costs=None, **rule_options):
         if not isinstance(target, Model):
             raise TypeError(f"target must be a specjax.models.Model, got {type(target).__name__}")
         _checks.engine_args(temperature=temperature, top_p=top_p, seed=seed, eos_ids=eos_ids)  # NaN, "12", 1.5
@@ -123,6 +128,14 @@ class Engine:
         if layers == "unrolled" and mesh is not None:
             raise ValueError("layers='unrolled' runs on one device; on a mesh the stacked layers are sharded "
                              "(pass mesh=None or layers='stacked')")
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
+        if costs is not None:  # checked here, before anything compiles
+            from specjax.costs import CostTable
+
+            if not isinstance(costs, CostTable):
+                raise ValueError(f"costs must be a specjax.costs.CostTable or None, got {type(costs).__name__}")
+            costs.check(int(k) if isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 1 else 0)
         if matmul not in ("auto", "native", "q8", "xla"):
             raise ValueError(f"matmul must be 'auto', 'native', 'q8' or 'xla', got {matmul!r}")
         if matmul in ("native", "q8"):
@@ -139,6 +152,8 @@ class Engine:
         uses_native = matmul in ("native", "q8") or (
             matmul == "auto" and mesh is None and jax.default_backend() == "cpu" and native.available())
         self.layers, self.matmul = layers, matmul
+        self.adaptive, self.costs = adaptive, costs
+        self._measured = {}  # batch size -> CostTable measured for this engine (costs=None)
         self.target, self.k = target, int(k)
         self.prompt_bucket = None if prompt_bucket is None else int(prompt_bucket)
         self.max_new_tokens, self.max_len = int(max_new_tokens), max_len
@@ -175,7 +190,7 @@ class Engine:
                 if jax.tree.leaves(draft_params) else draft_params)
 
     # -- inputs --------------------------------------------------------------
-    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None):
+    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None, measure: bool = True):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         V = self.target.config.vocab_size
@@ -211,19 +226,51 @@ class Engine:
         program = loop.Program(config=self.target.config, max_new_tokens=self.max_new_tokens, max_len=max_len,
                                temperature=self.temperature, top_p=self.top_p, eos_ids=self.eos_ids,
                                dtype=self.target.dtype, drafter=self.drafter, rule=self.rule, layout=self.layout,
-                               backend=self.backend)
+                               backend=self.backend, adaptive=self.adaptive)
         state = self._rule_state(len(prompts), rule_state)
         # host arrays: jit transfers them; the PRNG key is made inside the program
         inputs = dict(prompt_BT=prompt_BT, prompt_len_B=np.asarray(lengths, np.int32), seed=np.uint32(self.seed),
-                      rule_state=state)
+                      rule_state=state, costs=self._costs(program, len(prompts), measure))
         if self.layout is not None:  # rows split over "data" (a batch it does not divide is an error)
             self.layout.check_batch(len(prompts))
             rows = self.layout.spec("rows")
             inputs = sharding.place(inputs, dict(prompt_BT=self.layout.named(rows),
                                                  prompt_len_B=self.layout.named(P(rows[0])),
                                                  seed=self.layout.replicated,
+                                                 costs=jax.tree.map(lambda _: self.layout.replicated,
+                                                                    inputs["costs"]),
                                                  rule_state=jax.tree.map(lambda _: self.layout.replicated, state)))
         return program, dict(params=self.params, **inputs)
+
+    def _costs(self, program: loop.Program, batch_size: int, measure: bool = True):
+        """The adaptive program's cost input (verify seconds at its compiled widths, a draft
+        step) from the engine's table, measured for this batch size if none was given; ()
+        for a program that does not adapt. measure=False (lowering: only the shapes matter, and a
+        deviceless AOT target cannot be timed): ones where no table is at hand."""
+        if not program.adapts:
+            return ()
+        table = self.costs
+        if table is None and not measure and batch_size not in self._measured:
+            return {"verify_W": np.ones(len(program.widths), np.float32), "draft_step": np.float32(0.0)}
+        if table is None:
+            table = self._measured.get(batch_size)
+            if table is None:
+                from specjax import costs  # host-side measuring, only for engines without a table
+
+                table = self._measured[batch_size] = costs.measured(self, batch_size)
+        return {"verify_W": np.asarray([table.verify_s[w - 1] for w in program.widths], np.float32),
+                "draft_step": np.float32(table.draft_step_s)}
+
+    def cost_table(self, batch_size: int = 1):
+        """The `specjax.costs.CostTable` the adaptive loop weighs widths against for this batch size
+        (the given one, or measured on this platform); None without a draft or with adaptive=False."""
+        if self.drafter is None or not self.adaptive:
+            return None
+        if self.costs is None:
+            self._costs(loop.Program(config=self.target.config, max_new_tokens=1, max_len=2, temperature=0.0,
+                                     top_p=1.0, eos_ids=(), drafter=self.drafter, adaptive=True), batch_size)
+            return self._measured[batch_size]
+        return self.costs
 
     def _rule_state(self, batch_size: int, given):
         """The rule's starting state: `given`, checked against the rule's fresh state, or
@@ -268,13 +315,17 @@ class Engine:
         program, args = self._prepare(prompts, rule_state)
         out = jax.device_get(program.run(**args))
         tokens = [out.seq_BS[b, len(p): len(p) + out.num_out_B[b]].tolist() for b, p in enumerate(prompts)]
-        return _checks.flag_invalid(GenerateOutput(tokens, metrics.statistics(out.counters, out.rule_state),
-                                                   out.rule_state))
+        stats = metrics.statistics(out.counters, out.rule_state)
+        if program.adapts:  # rounds per verified width (index = width; 1: a plain step) and their mean
+            widths = np.asarray(out.widths_W)
+            stats["widths"] = widths.tolist()
+            stats["mean_width"] = float((widths * np.arange(widths.size)).sum() / max(int(widths.sum()), 1))
+        return _checks.flag_invalid(GenerateOutput(tokens, stats, out.rule_state))
 
     def lower(self, prompts: Sequence[Sequence[int]], rule_state=None) -> jax.stages.Lowered:
         """The whole generation for these prompts' shapes, lowered (`.compile()` fills the cache
         that `generate` reads)."""
-        program, args = self._prepare(prompts, rule_state)
+        program, args = self._prepare(prompts, rule_state, measure=False)
         return loop.Program.run.lower(program, **args)
 
 

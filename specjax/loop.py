@@ -20,6 +20,11 @@ program computes (matmul path, head chunking, attention and Pallas kernels, the
 mesh, vocabulary sharding) is its `backend` (`specjax.backend.Backend`), handed as
 an argument to the model's forward, the drafter and the rule: no context decides it.
 Shapes: docs/rules.md, shape legend.
+
+Adaptive width (`Program.adaptive`, docs/adaptive.md): each round verifies only the draft
+prefix whose expected tokens pay for its width, from running acceptance counts per draft
+position (and per drafter level) against a cost table (seconds per verify width and per draft
+step, a runtime input); width 1 is a plain decode step that skips the rule.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import sampling
+from specjax import sampling, verify
 from specjax.backend import PLAIN, Backend
 from specjax.drafters import Drafter
 from specjax.metrics import Counters
@@ -62,6 +67,66 @@ class LoopState:
     draft_state: Any  # the drafter's own state (a draft KV cache, or ())
     rule_state: Any  # the rule's state (ASD ledgers, CSD memory, or ())
     counters: Counters  # what the statistics are made of (specjax.metrics)
+    adapt: Any = ()  # Adapt (acceptance counts, widths chosen) when the program is adaptive, else ()
+
+
+# The adaptive policy's constants. Counts decay by DECAY per round, so an estimate rests on about
+# the last 1 / (1 - DECAY) = 20 rounds, and a position that is no longer verified drifts back to
+# the optimistic prior (mean PRIOR_ACCEPT, weight PRIOR_WEIGHT rounds): that is the exploration,
+# a narrow policy widens again after some rounds and relearns (no separate probe rounds).
+DECAY = 0.95
+PRIOR_ACCEPT = 0.8
+PRIOR_WEIGHT = 2.0
+
+
+@struct.dataclass(kw_only=True)
+class Adapt:
+    """What the adaptive policy carries: decayed acceptance counts per drafter level and draft
+    position, and how many rounds verified each width."""
+
+    hits_LK: jax.Array  # float32[levels, K]: rounds in which position j was accepted (decayed)
+    trials_LK: jax.Array  # float32[levels, K]: rounds in which position j was verified and reached
+    widths_W: jax.Array  # int32[K + 2]: rounds per verified width (index = width; 1 = plain step)
+
+    @classmethod
+    def zeros(cls, levels: int, K: int) -> "Adapt":
+        z = jnp.zeros((levels, K), jnp.float32)
+        return cls(hits_LK=z, trials_LK=z, widths_W=jnp.zeros((K + 2,), jnp.int32))
+
+
+def acceptance(adapt: Adapt) -> jax.Array:
+    """Conditional acceptance p[l, j] = P(position j accepted | positions < j accepted): float32[L, K]."""
+    return (adapt.hits_LK + PRIOR_ACCEPT * PRIOR_WEIGHT) / (adapt.trials_LK + PRIOR_WEIGHT)
+
+
+def expected_tokens(p_BK, num_draft_B, widths) -> jax.Array:
+    """E[tokens emitted] per row and compiled width: 1 + sum_{j < min(w - 1, num_draft)} prod_{i <= j} p_i.
+    float32[B, W]."""
+    K = p_BK.shape[1]
+    reach_BK = jnp.cumprod(p_BK, axis=1)
+    m_BW = jnp.minimum(jnp.asarray(widths, jnp.int32)[None] - 1, num_draft_B[:, None])
+    upto_BWK = jnp.arange(K)[None, None] < m_BW[:, :, None]
+    return 1.0 + jnp.sum(jnp.where(upto_BWK, reach_BK[:, None], 0.0), axis=-1)
+
+
+def choose_width(expected_BW, live_B, cost_W, allowed_W) -> jax.Array:
+    """Index of the compiled width with the most expected tokens per second over the live rows
+    (the smallest on ties). int32[]."""
+    rate_W = jnp.sum(jnp.where(live_B[:, None], expected_BW, 0.0), axis=0) / cost_W
+    return jnp.argmax(jnp.where(allowed_W, rate_W, -jnp.inf)).astype(jnp.int32)
+
+
+def learn(adapt: Adapt, level_B, num_draft_B, n_B, live_B) -> Adapt:
+    """Decays the counts and adds this round's: per row, the verified positions up to the first
+    rejection were tried, the accepted ones hit."""
+    L, K = adapt.hits_LK.shape
+    j_K = jnp.arange(K)
+    verified_BK = live_B[:, None] & (j_K[None] < num_draft_B[:, None])
+    reached_BK = (verified_BK & (j_K[None] <= n_B[:, None])).astype(jnp.float32)
+    hit_BK = (verified_BK & (j_K[None] < n_B[:, None])).astype(jnp.float32)
+    level_BL = (level_B[:, None] == jnp.arange(L)[None]).astype(jnp.float32)
+    return adapt.replace(hits_LK=DECAY * adapt.hits_LK + level_BL.T @ hit_BK,
+                         trials_LK=DECAY * adapt.trials_LK + level_BL.T @ reached_BK)
 
 
 @struct.dataclass(kw_only=True)
@@ -70,6 +135,7 @@ class Output:
     num_out_B: jax.Array  # int32[B]: new tokens of row b are seq_BS[b, prompt_len_B[b]:][:num_out_B[b]]
     counters: Counters
     rule_state: Any  # the rule's final state, to carry into the next call
+    widths_W: Any = ()  # int32[K + 2]: rounds per verified width (adaptive programs), else ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,6 +143,8 @@ class Program:
     """One generation program: the static settings of prefill + the while_loop.
 
     drafter None with rule None is target-only decoding; otherwise both are set.
+    adaptive: each round verifies the width its expected tokens pay for (`run`'s `costs`);
+    False: every round verifies the whole proposal (the fixed-K loop).
     layout: a `sharding.Layout` on a mesh (None: one device, no constraints at all).
     backend: how the program computes (`specjax.backend.Backend`, built by the Engine).
     """
@@ -92,22 +160,39 @@ class Program:
     rule: Any = None
     layout: Any = None
     backend: Backend = PLAIN
+    adaptive: bool = False
 
     @property
     def k(self) -> int:
         return 0 if self.drafter is None else self.drafter.k
 
+    @property
+    def adapts(self) -> bool:
+        return self.adaptive and self.drafter is not None
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The compiled verify widths."""
+        return adaptive_widths(self.k) if self.adaptive else verify_widths(self.k)
+
     @functools.partial(jax.jit, static_argnames=("self",))
-    def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state) -> Output:
-        """The whole generation: prefill, then rounds until every row is done."""
+    def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state, costs=()) -> Output:
+        """The whole generation: prefill, then rounds until every row is done.
+
+        costs (adaptive programs): {"verify_W": float32[len(widths)] seconds of a verify forward at
+        each compiled width, "draft_step": float32[] seconds of one draft step}; else ()."""
+        if self.adapts and not (isinstance(costs, dict) and set(costs) == {"verify_W", "draft_step"}):
+            raise ValueError("an adaptive program needs costs={'verify_W': ..., 'draft_step': ...}")
         state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state)
         if self.drafter is None:
             body = functools.partial(self.target_only_round, params)
+        elif self.adaptive:
+            body = functools.partial(self.adaptive_round, params, costs)
         else:
             body = functools.partial(self.speculative_round, params)
         state = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), body, state)
         out = Output(seq_BS=state.seq_BS, num_out_B=state.num_out_B, counters=state.counters,
-                     rule_state=state.rule_state)
+                     rule_state=state.rule_state, widths_W=state.adapt.widths_W if self.adapts else ())
         # replicated outputs: every process of a multi-process run reads them
         return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.layout.replicated)
 
@@ -142,7 +227,8 @@ class Program:
         state = LoopState(cache=cache._replace(lengths=prompt_len_B), seq_BS=seq_BS, prompt_len_B=prompt_len_B,
                           num_out_B=jnp.zeros((B,), jnp.int32), done_B=jnp.zeros((B,), bool), key=key,
                           draft_state=self._shard("draft_cache", draft_state), rule_state=rule_state,
-                          counters=Counters.zeros(B, self.k))
+                          counters=Counters.zeros(B, self.k),
+                          adapt=Adapt.zeros(getattr(self.drafter, "levels", 1), self.k) if self.adapts else ())
         state, _ = self.commit(state, first_B[:, None], jnp.ones((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
         return state
 
@@ -186,7 +272,83 @@ class Program:
                                          counts=counts)
         return state.replace(counters=counters)
 
-    def score(self, params: Params, fed_BR, cache, width):
+    def adaptive_round(self, params: Params, costs, state: LoopState) -> LoopState:
+        """A speculative round that verifies only what pays: choose, draft, choose again, then a
+        plain step (width 1: no rule) or score + verify at the chosen width, commit, learn."""
+        K, widths = self.k, self.widths
+        w_W = jnp.asarray(widths, jnp.int32)
+        key, k_draft, k_verify = jax.random.split(state.key, 3)
+        live_B = ~state.done_B
+        p_LK = acceptance(state.adapt)
+        verify_W = costs["verify_W"]
+        # draft: a drafter whose steps cost drafts only as many as the best width (by its
+        # levels' best estimates, all K offered) verifies; a plain step still feeds its cache
+        short = getattr(self.drafter, "truncated", None)
+        if short is None:
+            cap = jnp.int32(len(widths) - 1)
+            drafts_BK, num_draft_B, probs_BKV, draft_state, level_B = _propose(
+                self.drafter, params.draft, state, k_draft, self.temperature, self.backend)
+        else:
+            B = live_B.shape[0]
+            full_B = jnp.full((B,), K, jnp.int32)
+            best_BK = jnp.broadcast_to(p_LK.max(axis=0), (B, K))
+            steps_W = jnp.maximum(w_W - 1, 1).astype(jnp.float32)
+            cap = choose_width(expected_tokens(best_BK, full_B, widths), live_B,
+                               verify_W + costs["draft_step"] * steps_W, jnp.ones(len(widths), bool))
+
+            def draft_at(w):
+                def run(draft_state):
+                    d, nd, probs, draft_state, level = _propose(short(max(w - 1, 1)), params.draft, state.replace(
+                        draft_state=draft_state), k_draft, self.temperature, self.backend)
+                    pad = ((0, 0), (0, K - d.shape[1]))
+                    probs = None if probs is None else jnp.pad(probs, pad + ((0, 0),))
+                    nd = jnp.zeros_like(nd) if w == 1 else jnp.minimum(nd, w - 1)
+                    return jnp.pad(d, pad), nd, probs, draft_state, level
+                return run
+
+            drafts_BK, num_draft_B, probs_BKV, draft_state, level_B = jax.lax.switch(
+                cap, [draft_at(w) for w in widths], state.draft_state)
+        # choose: the width with the most expected tokens per second of verification (the drafts are made)
+        num_draft_B = jnp.where(live_B, num_draft_B, 0)
+        expected_BW = expected_tokens(p_LK[level_B], num_draft_B, widths)
+        choice = choose_width(expected_BW, live_B, verify_W, jnp.arange(len(widths)) <= cap)
+        width = w_W[choice]
+        num_draft_B = jnp.minimum(num_draft_B, width - 1)
+        fed_BR = jnp.concatenate([pending(state)[:, None], drafts_BK], axis=1)
+        feats_pad = ((0, 0), (0, K), (0, 0))
+
+        def plain(cache, rule_state):  # nothing verified: the target-only step, no rule
+            logits_B1V, feats_B1D, cache = self.forward(params, fed_BR[:, :1], cache)
+            logits_B1V, cache = self._shard("logits", logits_B1V), self._shard("cache", cache)
+            next_B = sampling.sample(k_verify, logits_B1V[:, 0], self.temperature, self.top_p)
+            zi = jnp.zeros_like(next_B)
+            counts = verify.RoundCounts(zi, zi, jnp.zeros(next_B.shape, jnp.float32))
+            feats_BRD = None if feats_B1D is None else jnp.pad(feats_B1D, feats_pad)
+            return zi, next_B, cache, rule_state, counts, feats_BRD
+
+        def speculate(cache, rule_state):
+            logits_BRV, cache, feats_BRD = self.score(params, fed_BR, cache, width, widths[1:])
+            verdict, rule_state, counts = self.rule(
+                rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
+                draft_probs_BKV=probs_BKV, temperature=self.temperature, backend=self.backend)
+            return verdict.num_accepted, verdict.next_token, cache, rule_state, counts, feats_BRD
+
+        n_B, next_B, cache, rule_state, counts, feats_BRD = jax.lax.cond(
+            width == 1, plain, speculate, state.cache, state.rule_state)
+        draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)
+        # commit d[:n] + [next]
+        drafts_BR = jnp.concatenate([drafts_BK, jnp.zeros_like(drafts_BK[:, :1])], axis=1)
+        block_BR = jnp.where(jnp.arange(K + 1)[None] < n_B[:, None], drafts_BR, next_B[:, None])
+        state = state.replace(cache=cache, key=key, draft_state=self._shard("draft_cache", draft_state),
+                              rule_state=rule_state)
+        state, emitted_B = self.commit(state, block_BR, n_B + 1, n_B + 1)
+        counters = state.counters.update(live_B=live_B, emitted_B=emitted_B, n_B=n_B, num_draft_B=num_draft_B,
+                                         counts=counts)
+        adapt = learn(state.adapt, level_B, num_draft_B, n_B, live_B)
+        adapt = adapt.replace(widths_W=adapt.widths_W.at[width].add(1))
+        return state.replace(counters=counters, adapt=adapt)
+
+    def score(self, params: Params, fed_BR, cache, width, widths=None):
         """The target's logits on the first `width` fed positions, padded to R = K + 1 rows
         (and its features there for a feature drafter; else None).
 
@@ -194,9 +356,11 @@ class Program:
         on a CPU a 9-position forward costs about twice a 1-position one, so the
         forward runs at the smallest compiled width that covers every live row.
         Padding rows lie past each row's num_draft, where no rule reads.
+        widths: the compiled widths to choose from (default `verify_widths`); `width` is one of them
+        or rounded up to the next.
         """
         R = fed_BR.shape[1]
-        widths = verify_widths(R - 1)
+        widths = verify_widths(R - 1) if widths is None else tuple(widths)
 
         def at(w):
             def run(fed_BR, cache):
@@ -258,3 +422,22 @@ def verify_widths(K: int) -> tuple[int, ...]:
     1 covers rounds with nothing proposed, the middle one short proposals.
     """
     return tuple(sorted({1, K // 2 + 1, K + 1}))
+
+
+def adaptive_widths(K: int) -> tuple[int, ...]:
+    """Compiled widths of the adaptive loop: 1, 2, 3, 5, 9, 16, 32 up to K + 1, and K + 1 itself.
+
+    Steps of about twice the width: the policy can halve or double a round (one more copy of
+    the target forward per step, log K in all), and short drafts, where most of the expected
+    gain lies, get every width."""
+    return tuple(sorted({w for w in (1, 2, 3, 5, 9, 16, 32, 64) if w <= K + 1} | {K + 1}))
+
+
+def _propose(drafter, draft_params, state: LoopState, key, temperature, backend):
+    """The drafter's proposal and, per row, the level that proposed it (0 for a drafter of one level)."""
+    if hasattr(drafter, "propose_levels"):
+        return drafter.propose_levels(draft_params, state.draft_state, state.seq_BS, state.cache.lengths, key,
+                                      temperature, backend=backend)
+    drafts_BK, num_draft_B, probs_BKV, draft_state = drafter.propose(
+        draft_params, state.draft_state, state.seq_BS, state.cache.lengths, key, temperature, backend=backend)
+    return drafts_BK, num_draft_B, probs_BKV, draft_state, jnp.zeros_like(num_draft_B)

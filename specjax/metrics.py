@@ -123,4 +123,8 @@ def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["csd_memory_filled"] = max(p["csd_memory_filled"] for p in parts)
         out["csd_memory_capacity"] = parts[0]["csd_memory_capacity"]
         out["csd_memory_dropped"] = int(sum(p["csd_memory_dropped"] for p in parts))
+    if "widths" in parts[0]:  # the adaptive loop's rounds per verified width (docs/adaptive.md)
+        widths = np.sum([p["widths"] for p in parts], axis=0)
+        out["widths"] = widths.tolist()
+        out["mean_width"] = float((widths * np.arange(widths.size)).sum() / max(int(widths.sum()), 1))
     return out

@@ -201,7 +201,8 @@ def test_unrolled_layers_give_the_stacked_tokens(tiny, draft, method):
 
     target = _quantized_layers(tiny)
     draft = random_model(dataclasses.replace(TINY, num_layers=1), seed=3) if draft == "model" else draft
-    settings = dict(draft=draft, method=method, k=3, max_new_tokens=6, eos_ids=())
+    # fixed K: adaptive engines would each weigh widths against their own measured costs
+    settings = dict(draft=draft, method=method, k=3, max_new_tokens=6, eos_ids=(), adaptive=False)
     stacked = specjax.Engine(target, **settings)
     unrolled = specjax.Engine(target, **settings, layers="unrolled")
     params = unrolled.params.target

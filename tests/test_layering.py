@@ -45,7 +45,7 @@ LAYERS = [
     ("drafters", ["specjax.drafters", "specjax.metrics", "specjax.vocab_bridge",
                   "specjax.cross_draft"]),
     ("loop", ["specjax.loop"]),
-    ("engine", ["specjax.engine", "specjax.compile_cache", "specjax.aot", "specjax"]),
+    ("engine", ["specjax.engine", "specjax.costs", "specjax.compile_cache", "specjax.aot", "specjax"]),
 ]
 
 

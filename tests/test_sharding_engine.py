@@ -77,7 +77,9 @@ def run_tiny(tiny, method, drafter, mesh_shape=None):
     target, draft_model = tiny
     draft = draft_model if drafter == "model" else drafter
     mesh = None if mesh_shape is None else jax.make_mesh(mesh_shape, ("data", "model"))
-    engine = specjax.Engine(target, draft=draft, method=method, k=2, max_new_tokens=8, eos_ids=(), mesh=mesh)
+    # fixed K: compared round by round with one device
+    engine = specjax.Engine(target, draft=draft, method=method, k=2, max_new_tokens=8, eos_ids=(), mesh=mesh,
+                            adaptive=False)
     return engine.generate(TINY_PROMPTS), engine
 
 
@@ -135,10 +137,11 @@ def test_padded_heads_on_a_model_axis_they_do_not_divide(tiny):
     """(1, 8): the target's 8 / 4 heads and the draft's 4 / 2 become 16 / 8 zero-padded heads, sharded."""
     mesh = sharding.MeshConfig(jax.make_mesh((1, 8), ("data", "model")), attention="pad")
     target, draft = tiny
-    engine = specjax.Engine(target, draft=draft, method="asd", k=2, max_new_tokens=8, eos_ids=(), mesh=mesh)
+    engine = specjax.Engine(target, draft=draft, method="asd", k=2, max_new_tokens=8, eos_ids=(), mesh=mesh,
+                            adaptive=False)
     assert (engine.target.config.num_heads, engine.target.config.num_kv_heads) == (16, 8)
     assert engine.layout.target.attention_sharded and engine.layout.draft.attention_sharded
-    replicated = specjax.Engine(target, draft=draft, method="asd", k=2, max_new_tokens=8, eos_ids=(),
+    replicated = specjax.Engine(target, draft=draft, method="asd", k=2, max_new_tokens=8, eos_ids=(), adaptive=False,
                                 mesh=sharding.MeshConfig(jax.make_mesh((1, 8), ("data", "model")),
                                                          attention="replicate"))
     padded_report = sharding.memory_report(engine, 8, 64)
@@ -153,7 +156,8 @@ def test_padded_heads_on_a_model_axis_they_do_not_divide(tiny):
 def test_draft_may_be_replicated(tiny):
     mesh = sharding.MeshConfig(jax.make_mesh((2, 4), ("data", "model")), draft="replicate")
     target, draft = tiny
-    engine = specjax.Engine(target, draft=draft, method="greedy", k=2, max_new_tokens=8, eos_ids=(), mesh=mesh)
+    engine = specjax.Engine(target, draft=draft, method="greedy", k=2, max_new_tokens=8, eos_ids=(), mesh=mesh,
+                            adaptive=False)
     shardings = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, engine.params.draft))
     assert all(s.is_fully_replicated for s in shardings)
     if ("greedy", "model") not in _single:
@@ -170,7 +174,8 @@ SMOL_DRAFT = {"pld": "pld", "model": "self:4"}
 SMOL_QUESTIONS = ["Write a Python function that reverses a list.", "What is 2 + 2?",
                   "Name three primary colors.", "def fibonacci(n):"]
 
-SMOL_SETTINGS = dict(k=2, max_new_tokens=5, eos_ids=())
+# fixed K: one device and the mesh are compared round by round
+SMOL_SETTINGS = dict(k=2, max_new_tokens=5, eos_ids=(), adaptive=False)
 _smol_single = {}
 
 

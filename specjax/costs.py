@@ -1,0 +1,274 @@
+"""What a round costs on a platform: the table the adaptive loop weighs draft widths against.
+
+`CostTable` holds the seconds of one target verify forward at each width w = 1 .. K + 1
+(`verify_s[w - 1]`) and of one draft-model step (`draft_step_s`, 0 for prompt lookup). The
+compiled loop (`loop.Program`, `adaptive=True`) reads it as a runtime input; it never calls
+into this module. The Engine either takes a table (`Engine(..., costs=CostTable(...))`) or
+measures one here, once per engine configuration and batch size on its own platform, and keeps
+it on disk under the specjax cache directory (`costs/`), keyed by everything the timing depends
+on: platform, CPU model, the target's and draft's configs, dtype, backend, batch size and K.
+
+`CostTable.from_ratios` builds a table from a published profile (a verify pass of width w
+costs r_w target steps), e.g. a device's figures read off a results file.
+
+Measuring (`measured`): the target's forward over 1 and over K + 1 positions of a half-full
+cache, and one draft-model step, each the fastest of 7 calls after a warm-up; widths in between
+are interpolated linearly. Each figure compiles one small program (for the tiny test models a
+fraction of a second) and is kept per figure, so engines that differ only in K or drafter share
+the width-1 and draft figures, in this process and on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform as _platform
+import time
+import warnings
+from typing import Mapping, Sequence
+
+_FORMAT = "specjax-costs-1"
+_MEMORY: dict[str, float] = {}  # key -> measured seconds, for the engines of this process
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostTable:
+    """Seconds per verify width and per draft step on one platform.
+
+    verify_s: seconds of one target forward over w positions, for w = 1 .. K + 1 (index w - 1).
+    draft_step_s: seconds of one draft-model step (0 for a drafter without a model: prompt lookup).
+    platform, source: where the figures come from (shown in results; not used by the loop).
+    """
+
+    verify_s: tuple[float, ...]
+    draft_step_s: float = 0.0
+    platform: str = ""
+    source: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.verify_s, (str, bytes)) or not isinstance(self.verify_s, Sequence) or not self.verify_s:
+            raise ValueError(f"CostTable.verify_s must be a non-empty sequence of seconds (width 1 first), "
+                             f"got {self.verify_s!r:.80}")
+        values = []
+        for i, v in enumerate(self.verify_s):
+            values.append(_seconds(f"verify_s[{i}] (width {i + 1})", v, positive=True))
+        object.__setattr__(self, "verify_s", tuple(values))
+        object.__setattr__(self, "draft_step_s", _seconds("draft_step_s", self.draft_step_s, positive=False))
+
+    @property
+    def k(self) -> int:
+        """The largest K this table covers (widths 1 .. K + 1)."""
+        return len(self.verify_s) - 1
+
+    def check(self, k: int) -> "CostTable":
+        """This table, if it has one entry per width 1 .. k + 1; else a ValueError naming both."""
+        if len(self.verify_s) != k + 1:
+            raise ValueError(f"costs: verify_s has {len(self.verify_s)} entries, but k={k} needs one per verify "
+                             f"width 1 .. {k + 1} ({k + 1} entries)")
+        return self
+
+    def in_steps(self) -> tuple[tuple[float, ...], float]:
+        """(verify cost per width, draft step) in target steps (verify at width 1 = 1.0)."""
+        step = self.verify_s[0]
+        return tuple(v / step for v in self.verify_s), self.draft_step_s / step
+
+    @classmethod
+    def from_ratios(cls, k: int, verify_ratios: Mapping[int, float], *, step_s: float = 1.0,
+                    draft_ratio: float = 0.0, platform: str = "", source: str = "") -> "CostTable":
+        """A table for widths 1 .. k + 1 from a profile in target steps.
+
+        verify_ratios: {width: cost of a verify of that width in target steps}; width 1 is 1.0 if
+        absent; widths between given ones are interpolated linearly, widths past the last given
+        one extrapolated along the last two points (flat if only one is given).
+        step_s: seconds of one target step (the table's unit; any positive number for ratios).
+        draft_ratio: one draft step in target steps.
+        """
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"CostTable.from_ratios: k must be an integer >= 1, got {k!r}")
+        points = {1: 1.0, **{int(w): float(r) for w, r in dict(verify_ratios).items()}}
+        if min(points) < 1:
+            raise ValueError(f"CostTable.from_ratios: widths start at 1, got {sorted(points)}")
+        step = _seconds("step_s", step_s, positive=True)
+        return cls(verify_s=tuple(step * r for r in _interpolate(points, k + 1)),
+                   draft_step_s=step * _seconds("draft_ratio", draft_ratio, positive=False),
+                   platform=platform, source=source)
+
+
+def _seconds(name: str, value, *, positive: bool) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"costs: {name} must be a number of seconds, got {value!r:.60}") from None
+    if isinstance(value, bool) or not math.isfinite(x) or x < 0 or (positive and x == 0):
+        raise ValueError(f"costs: {name} must be a finite number of seconds {'> 0' if positive else '>= 0'}, "
+                         f"got {value!r}")
+    return x
+
+
+def _interpolate(points: dict[int, float], n: int) -> list[float]:
+    """Values at 1 .. n, linear between the given points, extended along the last segment."""
+    xs = sorted(points)
+    out = []
+    for w in range(1, n + 1):
+        if w in points:
+            out.append(points[w])
+            continue
+        right = [x for x in xs if x > w]
+        left = [x for x in xs if x < w]
+        if right:  # left is never empty: 1 is always a point
+            a, b = left[-1], right[0]
+        elif len(xs) >= 2:
+            a, b = xs[-2], xs[-1]
+        else:
+            out.append(points[xs[-1]])
+            continue
+        out.append(points[a] + (points[b] - points[a]) * (w - a) / (b - a))
+    return out
+
+
+# -- measuring (host side: the Engine calls it once per configuration and batch size) ----------
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _platform.processor() or _platform.machine()
+
+
+def cache_key(engine, batch: int, what: str) -> str:
+    """Everything a measurement depends on, hashed: `what` is "verify:W" (the target's forward at
+    width W) or "draft" (one step of the draft model)."""
+    import jax
+
+    model = getattr(engine.drafter, "model", engine.drafter)
+    parts = dict(format=_FORMAT, platform=jax.default_backend(), cpu=cpu_model(), jax=jax.__version__,
+                 dtype=str(engine.target.dtype), backend=engine.backend.matmul, layers=engine.layers,
+                 batch=int(batch), what=what)
+    if what == "draft":
+        parts.update(draft=repr(model.config), draft_dtype=str(model.dtype))
+    else:
+        parts.update(target=repr(engine.target.config))
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def measured(engine, batch: int) -> CostTable:
+    """The engine's table for `batch` rows, each figure from this process, from disk, or measured now.
+
+    Measured: the target's forward at widths 1 and K + 1 (linear in between: a verify's cost is
+    about affine in its width on a CPU, and flat-then-linear on an accelerator is bounded by it),
+    and, for a draft model whose steps the loop chooses (`Drafter.truncated`), one step of it."""
+    import jax
+
+    widths = sorted({1, engine.k + 1})
+    seconds = {w: _remembered(engine, batch, f"verify:{w}", lambda w=w: _verify_seconds(engine, batch, w))
+               for w in widths}
+    seconds = {w: max(s, seconds[1]) for w, s in seconds.items()}  # a wider verify never costs less
+    draft_s = 0.0
+    if getattr(engine.drafter, "truncated", None) is not None:
+        draft_s = _remembered(engine, batch, "draft", lambda: _draft_seconds(engine, batch))
+    return CostTable(verify_s=tuple(_interpolate(seconds, engine.k + 1)), draft_step_s=draft_s,
+                     platform=f"{jax.default_backend()}: {cpu_model()}",
+                     source=f"measured, batch {batch}, widths {widths}")
+
+
+def _remembered(engine, batch: int, what: str, measure) -> float:
+    key = cache_key(engine, batch, what)
+    if key in _MEMORY:
+        return _MEMORY[key]
+    path = _directory() / f"{key}.json"
+    seconds = _read(path)
+    if seconds is None:
+        seconds = measure()
+        _write(path, what, seconds)
+    _MEMORY[key] = seconds
+    return seconds
+
+
+_CACHE_LEN = 256  # the cache the timings run on, half full
+
+
+def _verify_seconds(engine, batch: int, width: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.models import llama
+
+    cfg, dtype, backend = engine.target.config, engine.target.dtype, engine.backend
+    cache = llama.init_cache(cfg, batch, _CACHE_LEN, dtype)
+    cache = cache._replace(lengths=jnp.full((batch,), _CACHE_LEN // 2, jnp.int32))
+    tokens = jnp.ones((batch, width), jnp.int32)
+    fn = jax.jit(lambda p, c: llama.forward_cached(cfg, p, tokens, c, dtype=dtype, backend=backend)[0])
+    return _time(lambda: fn(engine.params.target, cache))
+
+
+def _draft_seconds(engine, batch: int) -> float:
+    """One draft step: the draft model's forward over one token (`Drafter.truncated` drafters are
+    model drafters: `ModelDrafter`, or `MultiLevel` whose `.model` is one)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.models import llama
+
+    model = getattr(engine.drafter, "model", engine.drafter)
+    cache = llama.init_cache(model.config, batch, _CACHE_LEN, model.dtype)
+    cache = cache._replace(lengths=jnp.full((batch,), _CACHE_LEN // 2, jnp.int32))
+    tokens = jnp.ones((batch, 1), jnp.int32)
+    fn = jax.jit(lambda p, c: llama.forward_cached(model.config, p, tokens, c, dtype=model.dtype,
+                                                   backend=engine.backend)[0])
+    return _time(lambda: fn(engine.params.draft, cache))
+
+
+def _time(call, reps: int = 7) -> float:
+    """The fastest of `reps` calls after a warm-up (the least disturbed by other work)."""
+    import jax
+
+    jax.block_until_ready(call())  # compile and warm up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t)
+    return max(min(times), 1e-9)
+
+
+def _directory():
+    from specjax.models import presets
+
+    return presets.cache_dir() / "costs"
+
+
+def _read(path) -> float | None:
+    """The seconds stored at `path`, or None (absent; damaged: warned, measured again)."""
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        doc = json.loads(raw)
+        body = json.dumps(doc["entry"], sort_keys=True)
+        if doc.get("format") != _FORMAT or doc.get("sha256") != hashlib.sha256(body.encode()).hexdigest():
+            raise ValueError("checksum or format mismatch")
+        return _seconds("stored", doc["entry"]["seconds"], positive=True)
+    except (ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"{path}: damaged cost measurement ({e}); measuring again", stacklevel=3)
+        return None
+
+
+def _write(path, what: str, seconds: float) -> None:
+    from specjax import _files
+
+    entry = {"what": what, "seconds": seconds, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d")}
+    doc = {"format": _FORMAT, "entry": entry,
+           "sha256": hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()}
+    try:
+        os.makedirs(path.parent, exist_ok=True)
+        _files.atomic_write_bytes(path, json.dumps(doc, indent=1).encode())
+    except OSError as e:  # a cache is optional
+        warnings.warn(f"{path}: cannot keep a measured cost ({e}); measuring again next process", stacklevel=3)
