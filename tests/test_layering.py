@@ -7,9 +7,12 @@ package's `__init__` is a node of its own.
 
 The layers, lowest first (a module may import its own layer and the ones below):
 
-    backend    the one settings object (`Backend`) and plain helpers every layer reads
-    pallas     the kernels and their jnp references
-    verify     the acceptance rules, pure functions over logits (they read pallas)
+    backend    the one settings object (`Backend`, plain data) and the file helpers every layer reads
+    pallas     the kernels and their jnp references (the jnp twin of each kernel's own algebra)
+    verify     the acceptance rules, pure functions over logits, and the primitives they share
+               (`_common`: the plain statistics of a logits row, the token choice from logits
+               that the loop and the drafters use too); they call a pallas kernel where the
+               backend says "kernel"
     models     the decoder and its weights (config, quant, llama, conversion, checkpoints,
                tokenizer, the feature draft) and `_checks`, the input checks that Model.logits
                and the Engine share: it reads the rules' number checks, below it, so its arrow
@@ -20,8 +23,10 @@ The layers, lowest first (a module may import its own layer and the ones below):
     loader     `models.model` (the Model class and `models.load`) and the `specjax.models`
                package: loading with a mesh places the params through sharding, so the loader
                sits above it and the arrow between them goes one way
-    drafters   what proposes tokens (and `metrics`, the loop's counters)
-    loop       the compiled program
+    drafters   what proposes tokens
+    loop       the compiled program, its counters and the statistics of one call; and `metrics`,
+               which merges the statistics of several calls on the host: it reads the loop's
+               `Counters` and `statistics`, so it sits in the loop's layer, above them
     engine     the public Engine, the compilation cache, AOT reports, `specjax` itself
 """
 
@@ -33,7 +38,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "specjax"
 
 LAYERS = [
-    ("backend", ["specjax.backend", "specjax.sampling", "specjax._files"]),
+    ("backend", ["specjax.backend", "specjax._files"]),
     ("pallas", ["specjax.pallas"]),
     ("verify", ["specjax.verify"]),
     ("models", ["specjax.models.config", "specjax.models.quant", "specjax.models.llama", "specjax.models.convert",
@@ -42,8 +47,8 @@ LAYERS = [
     ("native", ["specjax.native"]),
     ("sharding", ["specjax.sharding"]),
     ("loader", ["specjax.models.model", "specjax.models"]),
-    ("drafters", ["specjax.drafters", "specjax.metrics", "specjax.vocab_bridge"]),
-    ("loop", ["specjax.loop"]),
+    ("drafters", ["specjax.drafters", "specjax.vocab_bridge"]),
+    ("loop", ["specjax.loop", "specjax.metrics"]),
     ("engine", ["specjax.engine", "specjax.compile_cache", "specjax.aot", "specjax"]),
 ]
 

@@ -18,7 +18,7 @@ With `backend.mesh` set, a kernel traced outside a shard_map runs in a replicate
 over it (the partitioner cannot split a Mosaic or Triton call).
 """
 
-from specjax.pallas._dispatch import ENV_VAR, target_platform
+from specjax.pallas._dispatch import ENV_VAR, resolve_backend, resolve_impl, target_platform
 from specjax.pallas.gate_stats import (GatePartials, GateStats, combine_partials,
                                        finalize_partials, gate_partials,
                                        gate_partials_reference, gate_stats,
@@ -28,7 +28,7 @@ from specjax.pallas.regret_prefix import (RegretPrefix, regret_prefix,
 from specjax.pallas.sharded import gate_stats_sharded
 
 __all__ = [
-    "ENV_VAR", "target_platform",
+    "ENV_VAR", "resolve_backend", "resolve_impl", "target_platform",
     "GateStats", "GatePartials", "gate_stats", "gate_stats_reference", "gate_partials",
     "gate_partials_reference", "combine_partials", "finalize_partials",
     "gate_stats_sharded",

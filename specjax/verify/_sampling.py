@@ -13,14 +13,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax import sampling
 from specjax.verify import _common, _greedy
 from specjax.verify._common import Verdict
 
 
 def tempered_stats(d_K, L_RV, temperature: float, backend=None) -> _common.RowStats:
-    """Statistics of (L - max L) / T, so that p[i] = exp(tempered(L[i]) - lse[i]) (`sampling.tempered`)."""
-    return _common.row_stats(sampling.tempered(L_RV, temperature), _common.padded(d_K), backend, checked=True)
+    """Statistics of (L - max L) / T, so that p[i] = exp(tempered(L[i]) - lse[i]) (`_common.tempered`)."""
+    return _common.row_stats(_common.tempered(L_RV, temperature), _common.padded(d_K), backend, checked=True)
 
 
 def sampling_flags(ku, d_K, stats_T, q_KV, k) -> jax.Array:
@@ -39,7 +38,7 @@ def residual_sample(kr, d_K, L_RV, stats_T, q_KV, temperature: float, n, k) -> j
     An all-zero residual (q[n] covering p[n]) falls back to p[n].
     """
     K, V = d_K.shape[0], L_RV.shape[1]
-    p_V = jnp.exp(sampling.tempered(L_RV[n], temperature) - stats_T.lse[n])
+    p_V = jnp.exp(_common.tempered(L_RV[n], temperature) - stats_T.lse[n])
     i = jnp.minimum(n, K - 1)  # row n of q exists only for n < k; masked below
     q_V = jax.nn.one_hot(d_K[i], V, dtype=jnp.float32) if q_KV is None else q_KV[i]
     r_V = jnp.maximum(0.0, p_V - jnp.where(n < k, q_V, 0.0))

@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax import sampling
 from specjax.verify import _common, _greedy, _sampling
 from specjax.verify._common import Verdict
 
@@ -36,7 +35,7 @@ def typical(draft_tokens, target_logits, key, *, epsilon=0.09, delta=0.3, temper
     threshold_K = jnp.minimum(epsilon, delta * jnp.exp(-stats_T.entropy[:K]))
     n = _common.accepted_count((p_d_K > threshold_K) & _common.valid_mask(K, k))
     _, kr = jax.random.split(_common.check_key(fn, key))
-    next_token = jax.random.categorical(kr, sampling.tempered(L_RV[n], temperature) - stats_T.lse[n]).astype(jnp.int32)
+    next_token = jax.random.categorical(kr, _common.tempered(L_RV[n], temperature) - stats_T.lse[n]).astype(jnp.int32)
     next_token = jnp.where(stats_T.argmax[n] >= 0, next_token, _common.INVALID_TOKEN)
     # "Loose" is measured against the untempered argmax, as docs/rules.md defines ex.
     ex_K = _common.exact_flags(d_K, _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True).argmax, k)
