@@ -172,3 +172,49 @@ def test_a_cycle_and_an_upward_arrow_are_found():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert layer_of("specjax.verify._asd") > layer_of("specjax.pallas.regret_prefix")
     assert layer_of("specjax.models.model") > layer_of("specjax.sharding._layout") > layer_of("specjax.models.llama")
+
+
+# --- the path of one prompt: the files of specjax/ that one generation runs through ---
+
+def prompt_path(draft="pld", method="fly", **engine_options) -> dict[str, set[str]]:
+    """{file of specjax/: the functions of it called} while one `Engine.generate` traces and runs.
+
+    A tiny random model of a shape no other test compiles (so the program is traced here, not
+    taken from jit's cache); sys.setprofile sees every Python call, so a helper moved out of the
+    way but still called would still count."""
+    import collections
+    import sys
+
+    import specjax
+    from specjax.models import Config, random_model
+
+    tiny = Config(vocab_size=61, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                  num_kv_heads=1, head_dim=8, rope_theta=500.0)
+    engine = specjax.Engine(random_model(tiny, seed=3), draft=draft, method=method, k=1, max_new_tokens=4,
+                            **engine_options)
+    root = str(ROOT) + "/"
+    seen = collections.defaultdict(set)
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen[frame.f_code.co_filename[len(root):]].add(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        engine.generate([[1, 2, 3, 4, 1, 2, 3]])
+    finally:
+        sys.setprofile(None)
+    return dict(seen)
+
+
+def test_one_prompt_path():
+    """One prompt through Engine(target, draft="pld", method="fly") (and "exact") runs functions of at
+    most 8 files of specjax/: engine, loop, drafters, models/llama and quant, the native kernels (on a
+    CPU), verify/_common and the rule's own page. A file more on the path is a helper that belongs
+    beside its caller (or data computed before tracing), and the failure names every file."""
+    for method, page in (("fly", "verify/_fly.py"), ("exact", "verify/_greedy.py")):
+        seen = prompt_path("pld", method)
+        listing = "\n".join(f"{f:24s} {' '.join(sorted(seen[f]))}" for f in sorted(seen))
+        # the measurement has teeth: the program was traced here, the rule's page included
+        assert {"engine.py", "loop.py", "drafters.py", "models/llama.py", "verify/_common.py", page} <= set(seen), listing
+        assert len(seen) <= 8, f"method={method!r}: {len(seen)} files on the path of one prompt:\n{listing}"
