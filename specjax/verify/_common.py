@@ -16,6 +16,11 @@ runs the per-sequence logic on the checked rows without checking them again.
 Token choice from logits (`greedy`, `sample`, `tempered`, `top_p_logits`) lives here
 too: the loop, the drafters and the rules all choose tokens with it.
 
+(Longer than ~450 lines on purpose: this and a rule's own page are the only files of verify
+that one generation runs through, and a split would put one more file on every prompt's path,
+tests/test_layering.py::test_one_prompt_path. Its sections: statistics, token choice, checks,
+vector helpers, the `Rule` base, FLy's gate.)
+
 Also here: `Rule`, the base of the rule objects (a rule's options and state, for a
 batch of rows; each rule's class sits on its own page beside its per-sequence
 function), and FLy's entropy gate, which Asd and Csd compose with.
