@@ -218,3 +218,20 @@ def test_one_prompt_path():
         # the measurement has teeth: the program was traced here, the rule's page included
         assert {"engine.py", "loop.py", "drafters.py", "models/llama.py", "verify/_common.py", page} <= set(seen), listing
         assert len(seen) <= 8, f"method={method!r}: {len(seen)} files on the path of one prompt:\n{listing}"
+
+
+def test_the_engine_resolves_its_backend_once():
+    """The Engine's Backend holds the Pallas choices already made for its platform (plain data on the
+    traced path): the rules call the plain statistics or the kernel without resolving them per trace."""
+    import jax
+
+    import specjax
+    from specjax.models import Config, random_model
+
+    tiny = Config(vocab_size=61, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                  num_kv_heads=1, head_dim=8, rope_theta=500.0)
+    backend = specjax.Engine(random_model(tiny, seed=3), draft="pld", method="fly").backend
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    assert backend.pallas == ("kernel" if on_accelerator else "reference")
+    assert backend.interpret is (not on_accelerator) and backend.variant in ("mosaic", "triton")
+    assert backend.platform == jax.default_backend() and backend.native == (backend.matmul != "xla")
