@@ -233,7 +233,7 @@ class Config:
         import jax.numpy as jnp
         import numpy as np
 
-        from specjax import loop, metrics
+        from specjax import loop
 
         program, args = self.engine._prepare([ids])
         scripted = Scripted(self.inner, self.k, self.engine.target.config.vocab_size)
@@ -248,7 +248,7 @@ class Config:
         out = jax.device_get(program.run(**args))
         seconds = time.perf_counter() - t
         tokens = out.seq_BS[0, len(ids): len(ids) + out.num_out_B[0]].tolist()
-        return tokens, seconds, metrics.statistics(out.counters, out.rule_state)
+        return tokens, seconds, loop.statistics(out.counters, out.rule_state)
 
 
 def main(argv):

@@ -8,7 +8,7 @@
 
 The path of a request: `Engine.generate` -> `loop.Program.run` (prefill, then one
 while_loop of rounds: drafter.propose -> Program.score -> rule(...) -> Program.commit)
--> tokens, and `metrics.statistics` of the loop's counters.
+-> tokens, and `loop.statistics` of the loop's counters.
 
 Array names carry their shape as a suffix of one-letter dimension names (`logits_BRV`,
 `n_B`, `cache_k_NBSGDh`): docs/rules.md, "Shape legend", is the one legend.

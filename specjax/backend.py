@@ -8,7 +8,9 @@ fields here, never module-level switches or context stacks. The Engine builds on
 and hands it to the model's forward, the drafters and the rule. Everything else takes
 `backend=None`, which is `Backend()`: XLA's dot, the head in one dot (or in chunks on an
 unsharded CPU, see `head_chunk`), the Pallas kernels chosen for the default platform,
-one device.
+one device. A Backend is plain data on the traced path: every choice is a field, resolved
+when it is built (the Engine resolves the Pallas ones for its platform), and no function of
+this module runs while a program is traced.
 
 This module is the bottom layer of specjax: it imports nothing of specjax, so every
 layer (pallas < verify < models < native < sharding < drafters < loop < engine; see
@@ -28,6 +30,7 @@ import jax
 
 MATMULS = ("xla", "native", "q8")
 PALLAS_IMPLS = ("auto", "kernel", "reference")
+PALLAS_VARIANTS = ("mosaic", "triton")
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
@@ -86,7 +89,12 @@ class Backend:
     native_max_rows: rows (B x T) up to which a matmul goes to the native kernel; a prefill's
         many rows are compute bound, where XLA's blocked dot is faster.
     pallas: "auto" (the compiled kernel on GPU/TPU, the jnp reference on CPU), "kernel"
-        (interpreted on CPU) or "reference"; None reads $SPECJAX_PALLAS, else "auto".
+        (interpreted on CPU) or "reference"; None reads $SPECJAX_PALLAS, else "auto". The Engine
+        passes "kernel" or "reference", resolved once for its platform (`pallas.resolve_backend`),
+        so a traced program never decides it again.
+    interpret: whether a Pallas kernel runs in interpret mode; None: on a platform that is neither
+        GPU nor TPU (resolved by the Engine too).
+    variant: the Pallas kernels' flavour, "mosaic" (TPU) or "triton" (GPU); None: by platform.
     platform: the platform the program is compiled for ("cpu", "gpu", "tpu"): the Pallas
         kernels' variant and whether they are interpreted. None: the devices of the mesh in
         context (`jax.set_mesh`, a shard_map's), else the default backend. The Engine sets it
@@ -103,11 +111,17 @@ class Backend:
     head_chunk: int | None = None
     native_max_rows: int = 128
     pallas: str | None = None
+    interpret: bool | None = None
+    variant: str | None = None
     platform: str | None = None
     mesh: Any = None
     vocab_sharding: VocabSharding | None = None
+    # whether decode-sized matmuls run in the native kernel: a field computed here, so that a traced
+    # program reads plain data (no method of this module runs while tracing)
+    native: bool = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "native", self.matmul != "xla")
         if self.matmul not in MATMULS:
             raise ValueError(f"Backend: matmul must be one of {MATMULS}, got {self.matmul!r}")
         if self.matmul != "xla" and self.kernels is None:
@@ -118,15 +132,14 @@ class Backend:
             raise ValueError(f"Backend: head_chunk must be an int >= 0 or None, got {self.head_chunk!r}")
         if self.pallas is not None and self.pallas not in PALLAS_IMPLS:
             raise ValueError(f"Backend: pallas must be one of {PALLAS_IMPLS} or None, got {self.pallas!r}")
+        if self.interpret is not None and not isinstance(self.interpret, bool):
+            raise ValueError(f"Backend: interpret must be a bool or None, got {self.interpret!r}")
+        if self.variant is not None and self.variant not in PALLAS_VARIANTS:
+            raise ValueError(f"Backend: variant must be one of {PALLAS_VARIANTS} or None, got {self.variant!r}")
         if self.platform is not None and self.platform not in PLATFORMS:
             raise ValueError(f"Backend: platform must be 'cpu', 'gpu', 'tpu' or None, got {self.platform!r}")
         if self.vocab_sharding is not None and not isinstance(self.vocab_sharding, VocabSharding):
             raise ValueError(f"Backend: vocab_sharding must be a VocabSharding or None, got {self.vocab_sharding!r}")
-
-    @property
-    def native(self) -> bool:
-        """Whether decode-sized matmuls run in the native kernel."""
-        return self.matmul != "xla"
 
     def replace(self, **changes) -> "Backend":
         return dataclasses.replace(self, **changes)
@@ -136,7 +149,8 @@ PLAIN = Backend()
 
 
 def of(backend: Backend | None) -> Backend:
-    """`backend`, or the plain one for None; anything else is an error naming it."""
+    """`backend`, or the plain one for None; anything else is an error naming it. For public entry
+    points; code that a program traces reads `backend or PLAIN` (the Engine always passes one)."""
     if backend is None:
         return PLAIN
     if not isinstance(backend, Backend):

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import cross_draft, sampling
+from specjax import cross_draft
+from specjax.verify._common import tempered
 from specjax.models import feature_draft, llama
 from specjax.models.config import Config
 from specjax.models.model import Model
@@ -143,7 +144,7 @@ def _choose(key, logits_BV, temperature):
     """Greedy at T = 0 (probs None: a point mass); else a sample and the distribution it came from."""
     if temperature == 0.0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), None
-    scaled_BV = sampling.tempered(logits_BV, temperature)
+    scaled_BV = tempered(logits_BV, temperature)
     return jax.random.categorical(key, scaled_BV, axis=-1).astype(jnp.int32), jax.nn.softmax(scaled_BV, axis=-1)
 
 

@@ -9,7 +9,10 @@ compiling, and turns the program's arrays into tokens and statistics.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
+import os
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from specjax import _checks, compile_cache, drafters, loop, metrics, native, sharding, verify
+from specjax import _checks, compile_cache, drafters, loop, native, pallas, sharding, verify
 from specjax.backend import Backend
 from specjax.models import feature_draft, llama, quant
 from specjax.models.model import Model
@@ -40,7 +43,7 @@ def prompt_width(longest: int, bucket: int | None = None) -> int:
 @dataclasses.dataclass
 class GenerateOutput:
     tokens: list[list[int]]  # per prompt: the new tokens only, up to and including EOS
-    stats: dict[str, Any]  # specjax.metrics.statistics (docs/rules.md, Metrics)
+    stats: dict[str, Any]  # specjax.loop.statistics (docs/rules.md, Metrics)
     # the rule's final state: the CSD memory (with what this call taught it), the ASD
     # ledgers f32[B], or (); `generate(..., rule_state=out.rule_state)` carries it on
     rule_state: Any = ()
@@ -215,10 +218,10 @@ class Engine:
                 raise ValueError(
                     f"request does not fit the cache: longest prompt {longest} + max_new_tokens "
                     f"{self.max_new_tokens} + k {self.k} + 1 = {needed} > max_len {max_len}")
-        _checks.positions("Engine", self.target.config, longest + self.max_new_tokens, "longest prompt + max_new_tokens")
+        llama.check_positions("Engine", self.target.config, longest + self.max_new_tokens,
+                              "longest prompt + max_new_tokens")
         if self.layout is None or not self.layout.deviceless:  # AOT for a TPU topology: its compiler checks HBM
-            _checks.cache_fits(_checks.cache_configs(self), self.target.dtype, len(prompts), max_len,
-                               self.max_new_tokens)
+            cache_fits(cache_configs(self), self.target.dtype, len(prompts), max_len, self.max_new_tokens)
         T = min(width, max_len)
         prompt_BT = np.zeros((len(prompts), T), np.int32)
         for i, p in enumerate(prompts):
@@ -315,12 +318,12 @@ class Engine:
         program, args = self._prepare(prompts, rule_state)
         out = jax.device_get(program.run(**args))
         tokens = [out.seq_BS[b, len(p): len(p) + out.num_out_B[b]].tolist() for b, p in enumerate(prompts)]
-        stats = metrics.statistics(out.counters, out.rule_state)
+        stats = loop.statistics(out.counters, out.rule_state)
         if program.adapts:  # rounds per verified width (index = width; 1: a plain step) and their mean
             widths = np.asarray(out.widths_W)
             stats["widths"] = widths.tolist()
             stats["mean_width"] = float((widths * np.arange(widths.size)).sum() / max(int(widths.sum()), 1))
-        return _checks.flag_invalid(GenerateOutput(tokens, stats, out.rule_state))
+        return flag_invalid(GenerateOutput(tokens, stats, out.rule_state))
 
     def lower(self, prompts: Sequence[Sequence[int]], rule_state=None) -> jax.stages.Lowered:
         """The whole generation for these prompts' shapes, lowered (`.compile()` fills the cache
@@ -329,7 +332,7 @@ class Engine:
         return loop.Program.run.lower(program, **args)
 
 
-def _prepare_models(mesh_config: MeshConfig, target, draft):
+def _prepare_models(mesh_config: sharding.MeshConfig, target, draft):
     """(target, draft) as the engine runs them on the mesh: padded heads under attention="pad",
     repeated KV heads where the model axis is wider than the KV heads (`sharding.prepare_model`;
     the Model type is dispatched on here, since `sharding` never imports it).
@@ -353,7 +356,8 @@ def _backend(layout, matmul: str) -> Backend:
     matmul path the Engine checked; where the matmuls are native, cached attention too (each
     query over its visible keys, in place in the cache); the LM head chunked on an unsharded
     CPU (`quant.default_head_chunk`); the Pallas kernels chosen for the mesh's platform (so a
-    CPU host compiles Mosaic kernels for a TPU topology) and run replicated on the mesh; the
+    CPU host compiles Mosaic kernels for a TPU topology; impl, interpret mode and variant resolved
+    here, the environment's $SPECJAX_PALLAS included) and run replicated on the mesh; the
     rules' statistics reduced shard by shard where the logits are split over the vocabulary."""
     if layout is None:
         platform, head_chunk, mesh, vocab_sharding = jax.default_backend(), quant.default_head_chunk(), None, None
@@ -362,9 +366,9 @@ def _backend(layout, matmul: str) -> Backend:
         head_chunk = quant.default_head_chunk(platform, layout.vocab_sharded)
         mesh, vocab_sharding = layout.mesh, layout.vocab_sharding
     on = matmul != "xla"
-    return Backend(matmul=matmul, kernels=native if on else None, native_attention=on, head_chunk=head_chunk,
-                   platform=platform if platform in ("cpu", "gpu", "tpu") else None, mesh=mesh,
-                   vocab_sharding=vocab_sharding)
+    return pallas.resolve_backend(Backend(  # the Pallas choices resolved here, once: not per trace
+        matmul=matmul, kernels=native if on else None, native_attention=on, head_chunk=head_chunk,
+        platform=platform if platform in ("cpu", "gpu", "tpu") else None, mesh=mesh, vocab_sharding=vocab_sharding))
 
 
 def _rule(method, options: dict, temperature: float, target_only: bool):
@@ -401,3 +405,65 @@ def _rule(method, options: dict, temperature: float, target_only: bool):
         rule = verify.Sampling()
     rule.check_temperature(temperature)
     return rule, start
+
+
+# --- the checks of a request that run before compiling: memory (and, in `_prepare`, the cache
+# length and the positions the model was trained on), then the flag on invalid output ---
+
+
+def available_bytes() -> tuple[int, str]:
+    """Memory free for new buffers on the default backend: (bytes, where)."""
+    devices = jax.local_devices()
+    stats = [d.memory_stats() if hasattr(d, "memory_stats") else None for d in devices]
+    if all(s and "bytes_limit" in s for s in stats):
+        free = sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+        return free, f"{len(devices)} {devices[0].platform} device(s)"
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024, "host memory"
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "host memory"
+
+
+@functools.lru_cache(maxsize=64)
+def _bytes_per_position(configs: tuple, dtype, batch: int) -> int:
+    """Bytes of the KV caches of `configs` and the int32 token buffer per cache position (eval_shape: no work)."""
+    def nbytes(config, length):
+        shapes = jax.eval_shape(lambda: llama.init_cache(config, batch, length, dtype))
+        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+    return batch * 4 + sum(nbytes(c, 2) - nbytes(c, 1) for c in configs)
+
+
+def cache_fits(configs, dtype, batch: int, max_len: int, max_new_tokens: int) -> None:
+    """Refuses, before compiling, KV caches (and the token buffer) larger than the memory left."""
+    per_position = _bytes_per_position(tuple(configs), dtype, batch)
+    need = per_position * max_len
+    free, where = available_bytes()
+    budget = int(0.9 * free)  # XLA's temporaries need some room too
+    if need > budget:
+        fits = max(0, budget // per_position - (max_len - max_new_tokens) - 64)
+        raise ValueError(f"Engine: max_new_tokens={max_new_tokens} needs caches of max_len {max_len} for a batch "
+                         f"of {batch}: {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free in "
+                         f"{where}; at most about max_new_tokens={fits} fits (or use a smaller batch)")
+
+
+def cache_configs(engine: Engine) -> list:
+    """The configs whose KV caches a generation allocates: the target's and a draft model's."""
+    drafter = getattr(engine.drafter, "model", engine.drafter)  # MultiLevel holds its model drafter
+    draft = getattr(drafter, "config", None)
+    return [engine.target.config] + ([draft] if draft is not None else [])
+
+
+def flag_invalid(out: GenerateOutput) -> GenerateOutput:
+    """Counts the -1 tokens (rows of NaN / no finite logits, see verify's NAN_POLICY) per request in
+    out.stats["invalid_logit_tokens"], and warns when there are any: such output is not to be trusted."""
+    counts = [sum(1 for t in tokens if t < 0) for tokens in out.tokens]
+    out.stats["invalid_logit_tokens"] = counts
+    if any(counts):
+        warnings.warn(f"Engine: the target's logits were invalid (NaN, inf, or no finite entry) at {sum(counts)} "
+                      f"emitted position(s) of {sum(1 for c in counts if c)} request(s), marked by token -1; "
+                      "the text after them is not meaningful (broken weights or inputs?)", RuntimeWarning,
+                      stacklevel=3)
+    return out

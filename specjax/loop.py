@@ -35,15 +35,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from specjax import sampling, verify
 from specjax.backend import PLAIN, Backend
 from specjax.drafters import Drafter
-from specjax.metrics import Counters
 from specjax.models import llama
 from specjax.models.config import Config
 from specjax.models.llama import KVCache
+from specjax.verify import CSDMemory, RoundCounts
+from specjax.verify._common import sample
 
 
 @struct.dataclass(kw_only=True)
@@ -66,7 +67,7 @@ class LoopState:
     key: jax.Array  # PRNG key, split once per round
     draft_state: Any  # the drafter's own state (a draft KV cache, or ())
     rule_state: Any  # the rule's state (ASD ledgers, CSD memory, or ())
-    counters: Counters  # what the statistics are made of (specjax.metrics)
+    counters: Counters  # what the statistics are made of (`statistics`, below)
     adapt: Any = ()  # Adapt (acceptance counts, widths chosen) when the program is adaptive, else ()
 
 
@@ -220,7 +221,7 @@ class Program:
         logits_B1V, feats_BTD, cache = self.forward(params, prompt_BT, cache, select_BJ=(prompt_len_B - 1)[:, None])
         logits_B1V = self._shard("logits", logits_B1V)
         key, sub = jax.random.split(key)
-        first_B = sampling.sample(sub, logits_B1V[:, 0], self.temperature, self.top_p)
+        first_B = sample(sub, logits_B1V[:, 0], self.temperature, self.top_p)
         seq_BS = self._shard("rows", jnp.zeros((B, self.max_len), jnp.int32).at[:, :T].set(prompt_BT))
         draft_state = () if self.drafter is None else self.drafter.init(
             params.draft, prompt_BT, prompt_len_B, self.max_len, features_BTD=feats_BTD, backend=self.backend)
@@ -238,7 +239,7 @@ class Program:
         logits_B1V, _, cache = self.forward(params, pending(state)[:, None], state.cache)
         logits_B1V, cache = self._shard("logits", logits_B1V), self._shard("cache", cache)
         key, sub = jax.random.split(state.key)
-        next_B = sampling.sample(sub, logits_B1V[:, 0], self.temperature, self.top_p)
+        next_B = sample(sub, logits_B1V[:, 0], self.temperature, self.top_p)
         ones_B = jnp.ones_like(next_B)
         state, emitted_B = self.commit(state.replace(cache=cache, key=key), next_B[:, None], ones_B, ones_B)
         return state.replace(counters=state.counters.update(live_B=live_B, emitted_B=emitted_B))
@@ -320,9 +321,9 @@ class Program:
         def plain(cache, rule_state):  # nothing verified: the target-only step, no rule
             logits_B1V, feats_B1D, cache = self.forward(params, fed_BR[:, :1], cache)
             logits_B1V, cache = self._shard("logits", logits_B1V), self._shard("cache", cache)
-            next_B = sampling.sample(k_verify, logits_B1V[:, 0], self.temperature, self.top_p)
+            next_B = sample(k_verify, logits_B1V[:, 0], self.temperature, self.top_p)
             zi = jnp.zeros_like(next_B)
-            counts = verify.RoundCounts(zi, zi, jnp.zeros(next_B.shape, jnp.float32))
+            counts = RoundCounts(zi, zi, jnp.zeros(next_B.shape, jnp.float32))
             feats_BRD = None if feats_B1D is None else jnp.pad(feats_B1D, feats_pad)
             return zi, next_B, cache, rule_state, counts, feats_BRD
 
@@ -441,3 +442,75 @@ def _propose(drafter, draft_params, state: LoopState, key, temperature, backend)
     drafts_BK, num_draft_B, probs_BKV, draft_state = drafter.propose(
         draft_params, state.draft_state, state.seq_BS, state.cache.lengths, key, temperature, backend=backend)
     return drafts_BK, num_draft_B, probs_BKV, draft_state, jnp.zeros_like(num_draft_B)
+
+
+# --- what the loop counts, and the statistics of one call made from it ---
+
+
+@struct.dataclass(kw_only=True)
+class Counters:
+    """What every round adds to; rows that are done add nothing."""
+
+    rounds_B: jax.Array  # int32[B]: verification forwards in which the row was live
+    round_tokens_B: jax.Array  # int32[B]: tokens emitted by rounds (the prefill's token excluded)
+    accepted_K: jax.Array  # int32[K]: rounds (all rows) in which draft position i was accepted
+    offered_K: jax.Array  # int32[K]: rounds (all rows) in which draft position i held a real draft
+    num_loose_B: jax.Array  # int32[B]: mismatches a loose rule accepted
+    examined_B: jax.Array  # int32[B]: those plus the mismatches that stopped a round
+    spent_B: jax.Array  # float32[B]: ASD ledger charged
+
+    @classmethod
+    def zeros(cls, B: int, K: int) -> "Counters":
+        zi = lambda n: jnp.zeros((n,), jnp.int32)  # noqa: E731
+        return cls(rounds_B=zi(B), round_tokens_B=zi(B), accepted_K=zi(K), offered_K=zi(K), num_loose_B=zi(B),
+                   examined_B=zi(B), spent_B=jnp.zeros((B,), jnp.float32))
+
+    def update(self, *, live_B, emitted_B, n_B=None, num_draft_B=None, counts: RoundCounts | None = None):
+        """One round: `emitted_B` tokens kept per row; for a speculative round also the
+        accepted drafts `n_B`, the real drafts `num_draft_B` and the rule's `counts`."""
+        out = self.replace(rounds_B=self.rounds_B + live_B, round_tokens_B=self.round_tokens_B + emitted_B)
+        if n_B is None:
+            return out
+        i_K = jnp.arange(self.accepted_K.shape[0])
+        return out.replace(
+            accepted_K=self.accepted_K + jnp.sum(live_B[:, None] & (i_K[None] < n_B[:, None]), axis=0),
+            offered_K=self.offered_K + jnp.sum(live_B[:, None] & (i_K[None] < num_draft_B[:, None]), axis=0),
+            num_loose_B=self.num_loose_B + counts.num_loose_B,
+            examined_B=self.examined_B + counts.examined_B,
+            spent_B=self.spent_B + counts.spent_B)
+
+
+def statistics(counters: Counters, rule_state: Any = ()) -> dict[str, Any]:
+    """The statistics of one call (host values; lists per request or per draft position)."""
+    c = jax.tree.map(np.asarray, counters)
+    rounds_B = c.rounds_B
+    # tau per request = tokens emitted by rounds / rounds; a request finished by its
+    # prefill token has no round and a tau of 0 by this definition.
+    tau_B = np.where(rounds_B > 0, c.round_tokens_B / np.maximum(rounds_B, 1), 0.0)
+    out = {
+        "tau": float(tau_B.mean()) if tau_B.size else 0.0,
+        "tau_per_request": tau_B.tolist(),
+        "rounds": int(rounds_B.max(initial=0)),
+        "rounds_per_request": rounds_B.tolist(),
+        "round_tokens_per_request": c.round_tokens_B.tolist(),
+    }
+    if c.accepted_K.shape[0] == 0:  # target-only decoding
+        return out
+    loose, examined = int(c.num_loose_B.sum()), int(c.examined_B.sum())
+    out.update({
+        "accepted_per_round": float(c.accepted_K.sum() / max(int(rounds_B.sum()), 1)),
+        "accepted_per_position": np.where(c.offered_K > 0, c.accepted_K / np.maximum(c.offered_K, 1), 0.0).tolist(),
+        "accepted_counts_per_position": c.accepted_K.tolist(),
+        "offered_per_position": c.offered_K.tolist(),
+        "loose": loose,
+        "loose_per_request": c.num_loose_B.tolist(),
+        "mismatches_examined": examined,
+        "examined_per_request": c.examined_B.tolist(),
+        "loose_share": loose / examined if examined else 0.0,
+        "ledger_spent_per_request": c.spent_B.tolist(),
+    })
+    if isinstance(rule_state, CSDMemory):
+        out["csd_memory_filled"] = int(rule_state.filled)
+        out["csd_memory_capacity"] = rule_state.capacity
+        out["csd_memory_dropped"] = int(rule_state.dropped)
+    return out

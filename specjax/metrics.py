@@ -1,10 +1,9 @@
-"""Counters the generation loop keeps, and the statistics made from them.
+"""The statistics of several `generate` calls, merged on the host as if they were one call.
 
-The loop carries a `Counters` pytree (per-row and per-draft-position integers);
-`statistics` turns the host copy into the numbers docs/rules.md defines (tau,
-acceptance per position, loose share, ...), and `merge` combines the statistics
-of several `generate` calls as if they were one call. The engine and the
-experiment binaries use these two functions and nothing else.
+The loop's counters (`loop.Counters`) and the statistics of one call made from them
+(`loop.statistics`: tau, acceptance per position, loose share, ..., docs/rules.md) are the
+loop's state and what it reports, so they live in `loop.py`; this module is what only the host
+does with them afterwards: `merge` (benchmarks and sweeps over many calls).
 
 Shapes (docs/rules.md, shape legend): B rows, K draft positions (K = 0 for target-only decoding, which
 proposes nothing).
@@ -14,81 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from specjax.verify import CSDMemory, RoundCounts
-
-
-@struct.dataclass(kw_only=True)
-class Counters:
-    """What every round adds to; rows that are done add nothing."""
-
-    rounds_B: jax.Array  # int32[B]: verification forwards in which the row was live
-    round_tokens_B: jax.Array  # int32[B]: tokens emitted by rounds (the prefill's token excluded)
-    accepted_K: jax.Array  # int32[K]: rounds (all rows) in which draft position i was accepted
-    offered_K: jax.Array  # int32[K]: rounds (all rows) in which draft position i held a real draft
-    num_loose_B: jax.Array  # int32[B]: mismatches a loose rule accepted
-    examined_B: jax.Array  # int32[B]: those plus the mismatches that stopped a round
-    spent_B: jax.Array  # float32[B]: ASD ledger charged
-
-    @classmethod
-    def zeros(cls, B: int, K: int) -> "Counters":
-        zi = lambda n: jnp.zeros((n,), jnp.int32)  # noqa: E731
-        return cls(rounds_B=zi(B), round_tokens_B=zi(B), accepted_K=zi(K), offered_K=zi(K), num_loose_B=zi(B),
-                   examined_B=zi(B), spent_B=jnp.zeros((B,), jnp.float32))
-
-    def update(self, *, live_B, emitted_B, n_B=None, num_draft_B=None, counts: RoundCounts | None = None):
-        """One round: `emitted_B` tokens kept per row; for a speculative round also the
-        accepted drafts `n_B`, the real drafts `num_draft_B` and the rule's `counts`."""
-        out = self.replace(rounds_B=self.rounds_B + live_B, round_tokens_B=self.round_tokens_B + emitted_B)
-        if n_B is None:
-            return out
-        i_K = jnp.arange(self.accepted_K.shape[0])
-        return out.replace(
-            accepted_K=self.accepted_K + jnp.sum(live_B[:, None] & (i_K[None] < n_B[:, None]), axis=0),
-            offered_K=self.offered_K + jnp.sum(live_B[:, None] & (i_K[None] < num_draft_B[:, None]), axis=0),
-            num_loose_B=self.num_loose_B + counts.num_loose_B,
-            examined_B=self.examined_B + counts.examined_B,
-            spent_B=self.spent_B + counts.spent_B)
-
-
-def statistics(counters: Counters, rule_state: Any = ()) -> dict[str, Any]:
-    """The statistics of one call (host values; lists per request or per draft position)."""
-    c = jax.tree.map(np.asarray, counters)
-    rounds_B = c.rounds_B
-    # tau per request = tokens emitted by rounds / rounds; a request finished by its
-    # prefill token has no round and a tau of 0 by this definition.
-    tau_B = np.where(rounds_B > 0, c.round_tokens_B / np.maximum(rounds_B, 1), 0.0)
-    out = {
-        "tau": float(tau_B.mean()) if tau_B.size else 0.0,
-        "tau_per_request": tau_B.tolist(),
-        "rounds": int(rounds_B.max(initial=0)),
-        "rounds_per_request": rounds_B.tolist(),
-        "round_tokens_per_request": c.round_tokens_B.tolist(),
-    }
-    if c.accepted_K.shape[0] == 0:  # target-only decoding
-        return out
-    loose, examined = int(c.num_loose_B.sum()), int(c.examined_B.sum())
-    out.update({
-        "accepted_per_round": float(c.accepted_K.sum() / max(int(rounds_B.sum()), 1)),
-        "accepted_per_position": np.where(c.offered_K > 0, c.accepted_K / np.maximum(c.offered_K, 1), 0.0).tolist(),
-        "accepted_counts_per_position": c.accepted_K.tolist(),
-        "offered_per_position": c.offered_K.tolist(),
-        "loose": loose,
-        "loose_per_request": c.num_loose_B.tolist(),
-        "mismatches_examined": examined,
-        "examined_per_request": c.examined_B.tolist(),
-        "loose_share": loose / examined if examined else 0.0,
-        "ledger_spent_per_request": c.spent_B.tolist(),
-    })
-    if isinstance(rule_state, CSDMemory):
-        out["csd_memory_filled"] = int(rule_state.filled)
-        out["csd_memory_capacity"] = rule_state.capacity
-        out["csd_memory_dropped"] = int(rule_state.dropped)
-    return out
+from specjax.loop import Counters, statistics
 
 
 def _counters_of(stats: dict[str, Any]) -> Counters:

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import sampling
 from specjax.models import Config, random_model
 
 TINY = Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -75,21 +74,6 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(tiny):
     assert a == b and a != c
     nucleus = specjax.Engine(tiny, max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=3).generate(PROMPTS)
     assert nucleus.tokens == greedy
-
-
-def test_top_p_keeps_the_smallest_set_reaching_p():
-    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
-    kept = np.isfinite(np.asarray(sampling.top_p_logits(logits, 0.7)))
-    np.testing.assert_array_equal(kept[0], [True, True, False, False])
-    np.testing.assert_array_equal(kept[1], [True, True, True, True])  # ties at the cut all stay
-
-
-def test_sampling_follows_the_distribution():
-    probs = np.array([0.6, 0.3, 0.1, 0.0])
-    logits = jnp.log(jnp.asarray(probs))[None].repeat(4000, 0)
-    draws = np.asarray(sampling.sample(jax.random.PRNGKey(0), logits, 1.0))
-    freq = np.bincount(draws, minlength=4) / draws.size
-    np.testing.assert_allclose(freq, probs, atol=0.03)
 
 
 def test_one_compiled_program_without_host_callbacks(tiny):

@@ -7,9 +7,12 @@ package's `__init__` is a node of its own.
 
 The layers, lowest first (a module may import its own layer and the ones below):
 
-    backend    the one settings object (`Backend`) and plain helpers every layer reads
-    pallas     the kernels and their jnp references
-    verify     the acceptance rules, pure functions over logits (they read pallas)
+    backend    the one settings object (`Backend`, plain data) and the file helpers every layer reads
+    pallas     the kernels and their jnp references (the jnp twin of each kernel's own algebra)
+    verify     the acceptance rules, pure functions over logits, and the primitives they share
+               (`_common`: the plain statistics of a logits row, the token choice from logits
+               that the loop and the drafters use too); they call a pallas kernel where the
+               backend says "kernel"
     models     the decoder and its weights (config, quant, llama, conversion, checkpoints,
                tokenizer, the feature draft) and `_checks`, the input checks that Model.logits
                and the Engine share: it reads the rules' number checks, below it, so its arrow
@@ -20,8 +23,10 @@ The layers, lowest first (a module may import its own layer and the ones below):
     loader     `models.model` (the Model class and `models.load`) and the `specjax.models`
                package: loading with a mesh places the params through sharding, so the loader
                sits above it and the arrow between them goes one way
-    drafters   what proposes tokens (and `metrics`, the loop's counters)
-    loop       the compiled program
+    drafters   what proposes tokens
+    loop       the compiled program, its counters and the statistics of one call; and `metrics`,
+               which merges the statistics of several calls on the host: it reads the loop's
+               `Counters` and `statistics`, so it sits in the loop's layer, above them
     engine     the public Engine, the compilation cache, AOT reports, `specjax` itself
 """
 
@@ -33,7 +38,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "specjax"
 
 LAYERS = [
-    ("backend", ["specjax.backend", "specjax.sampling", "specjax._files"]),
+    ("backend", ["specjax.backend", "specjax._files"]),
     ("pallas", ["specjax.pallas"]),
     ("verify", ["specjax.verify"]),
     ("models", ["specjax.models.config", "specjax.models.quant", "specjax.models.llama", "specjax.models.convert",
@@ -42,9 +47,8 @@ LAYERS = [
     ("native", ["specjax.native"]),
     ("sharding", ["specjax.sharding"]),
     ("loader", ["specjax.models.model", "specjax.models"]),
-    ("drafters", ["specjax.drafters", "specjax.metrics", "specjax.vocab_bridge",
-                  "specjax.cross_draft"]),
-    ("loop", ["specjax.loop"]),
+    ("drafters", ["specjax.drafters", "specjax.vocab_bridge", "specjax.cross_draft"]),
+    ("loop", ["specjax.loop", "specjax.metrics"]),
     ("engine", ["specjax.engine", "specjax.costs", "specjax.compile_cache", "specjax.aot", "specjax"]),
 ]
 
@@ -168,3 +172,70 @@ def test_a_cycle_and_an_upward_arrow_are_found():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert layer_of("specjax.verify._asd") > layer_of("specjax.pallas.regret_prefix")
     assert layer_of("specjax.models.model") > layer_of("specjax.sharding._layout") > layer_of("specjax.models.llama")
+
+
+# --- the path of one prompt: the files of specjax/ that one generation runs through ---
+
+def prompt_path(draft="pld", method="fly", run=True, **engine_options) -> dict[str, set[str]]:
+    """{file of specjax/: the functions of it called} while one `Engine.generate` traces and runs
+    (run=False: while `Engine.lower` traces the same program, without compiling it).
+
+    A tiny random model of a shape no other test compiles (so the program is traced here, not
+    taken from jit's cache); sys.setprofile sees every Python call, so a helper moved out of the
+    way but still called would still count."""
+    import collections
+    import sys
+
+    import specjax
+    from specjax.models import Config, random_model
+
+    tiny = Config(vocab_size=61, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                  num_kv_heads=1, head_dim=8, rope_theta=500.0)
+    engine = specjax.Engine(random_model(tiny, seed=3), draft=draft, method=method, k=1, max_new_tokens=4,
+                            **engine_options)
+    root = str(ROOT) + "/"
+    seen = collections.defaultdict(set)
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen[frame.f_code.co_filename[len(root):]].add(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        (engine.generate if run else engine.lower)([[1, 2, 3, 4, 1, 2, 3]])
+    finally:
+        sys.setprofile(None)
+    return dict(seen)
+
+
+def test_one_prompt_path():
+    """One prompt through Engine(target, draft="pld", method="fly") (and "exact") runs functions of at
+    most 8 files of specjax/: engine, loop, drafters, models/llama and quant, the native kernels (on a
+    CPU), verify/_common and the rule's own page. A file more on the path is a helper that belongs
+    beside its caller (or data computed before tracing), and the failure names every file.
+
+    "exact" is traced only (`Engine.lower`): what runs on the host around the compiled program is
+    the same code for every rule, seen with "fly", and a second compilation would double the time."""
+    for method, page, run in (("fly", "verify/_fly.py", True), ("exact", "verify/_greedy.py", False)):
+        seen = prompt_path("pld", method, run)
+        listing = "\n".join(f"{f:24s} {' '.join(sorted(seen[f]))}" for f in sorted(seen))
+        # the measurement has teeth: the program was traced here, the rule's page included
+        assert {"engine.py", "loop.py", "drafters.py", "models/llama.py", "verify/_common.py", page} <= set(seen), listing
+        assert len(seen) <= 8, f"method={method!r}: {len(seen)} files on the path of one prompt:\n{listing}"
+
+
+def test_the_engine_resolves_its_backend_once():
+    """The Engine's Backend holds the Pallas choices already made for its platform (plain data on the
+    traced path): the rules call the plain statistics or the kernel without resolving them per trace."""
+    import jax
+
+    import specjax
+    from specjax.models import Config, random_model
+
+    tiny = Config(vocab_size=61, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                  num_kv_heads=1, head_dim=8, rope_theta=500.0)
+    backend = specjax.Engine(random_model(tiny, seed=3), draft="pld", method="fly").backend
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    assert backend.pallas == ("kernel" if on_accelerator else "reference")
+    assert backend.interpret is (not on_accelerator) and backend.variant in ("mosaic", "triton")
+    assert backend.platform == jax.default_backend() and backend.native == (backend.matmul != "xla")

@@ -1,4 +1,4 @@
-"""specjax.metrics: the statistics of one call, and of several calls merged."""
+"""The statistics of one call (`loop.statistics`), and of several calls merged (`metrics.merge`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import metrics, verify
+from specjax import loop, metrics, verify
 from specjax.models import Config, random_model
 
 TINY = Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -46,8 +46,8 @@ def test_merged_calls_equal_one_call(draft, method):
 
 
 def test_target_only_statistics_have_no_acceptance():
-    counters = metrics.Counters.zeros(2, 0).update(live_B=np.array([True, False]), emitted_B=np.array([1, 0]))
-    stats = metrics.statistics(counters)
+    counters = loop.Counters.zeros(2, 0).update(live_B=np.array([True, False]), emitted_B=np.array([1, 0]))
+    stats = loop.statistics(counters)
     assert stats == {"tau": 0.5, "tau_per_request": [1.0, 0.0], "rounds": 1, "rounds_per_request": [1, 0],
                      "round_tokens_per_request": [1, 0]}
     assert metrics.merge([]) == {"tau": 0.0, "tau_per_request": [], "rounds": 0, "rounds_per_request": [],
@@ -56,8 +56,8 @@ def test_target_only_statistics_have_no_acceptance():
 
 def test_csd_memory_statistics():
     memory = verify.csd_memory(8, [[1, 2], [3, 4]], [2, 5])
-    counters = metrics.Counters.zeros(1, 2)
-    stats = metrics.statistics(counters, memory)
+    counters = loop.Counters.zeros(1, 2)
+    stats = loop.statistics(counters, memory)
     assert (stats["csd_memory_filled"], stats["csd_memory_capacity"], stats["csd_memory_dropped"]) == (2, 8, 0)
     merged = metrics.merge([stats, {**stats, "csd_memory_filled": 3, "csd_memory_dropped": 1}])
     assert (merged["csd_memory_filled"], merged["csd_memory_dropped"]) == (3, 1)

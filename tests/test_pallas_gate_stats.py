@@ -1,4 +1,8 @@
-"""Gate statistics: jnp reference vs NumPy, Pallas kernels (interpret mode) vs reference."""
+"""Gate statistics: the jnp references vs NumPy, Pallas kernels (interpret mode) vs the plain reference.
+
+The plain reference is verify's (`verify._common.gate_stats_reference`, what the rules run on CPU);
+`pallas.gate_stats_reference` is the kernels' own algebra in jnp (partials, then `finalize`); both
+are checked against the NumPy oracle."""
 
 import math
 
@@ -11,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from specjax.backend import Backend
 from specjax import pallas as sp
 from specjax.pallas import _dispatch, _gate_kernel
+from specjax.verify import _common
 
 VARIANTS = ("mosaic", "triton")
 NEG = -np.inf
@@ -35,6 +40,14 @@ def numpy_stats(x, tok):
     tl = np.where(ok, x[np.arange(len(x)), np.clip(tok, 0, V - 1)], np.nan)
     return dict(max_logit=m, argmax=x.argmax(-1), lse=lse, entropy=H, entropy_normalized=norm,
                 entropy_top3=h3, token_logit=tl)
+
+
+def plain(x, tok=None):
+    """The plain reference of the statistics (verify's), as pallas.GateStats (same fields, in order)."""
+    return sp.GateStats(*_common.gate_stats_reference(x, tok))
+
+
+REFERENCES = {"plain": plain, "kernel_algebra": lambda x, tok=None: sp.gate_stats_reference(x, tok)}
 
 
 def assert_stats_close(a, b, rtol=1e-5, atol=1e-6, msg=""):
@@ -71,13 +84,14 @@ def random_logits(rng, N, V, kind="normal"):
 
 # ------------------------------------------------------------------ reference vs NumPy
 
+@pytest.mark.parametrize("ref", REFERENCES)
 @pytest.mark.parametrize("V", [1, 2, 3, 4, 17, 300])
 @pytest.mark.parametrize("kind", ["normal", "ties", "one_finite", "some_neg_inf", "peaked"])
-def test_reference_matches_numpy(V, kind):
+def test_reference_matches_numpy(V, kind, ref):
     rng = np.random.default_rng(V)
     x = random_logits(rng, 12, V, kind)
     tok = rng.integers(-1, V + 1, size=12).astype(np.int32)
-    got = sp.gate_stats_reference(jnp.asarray(x), jnp.asarray(tok))
+    got = REFERENCES[ref](jnp.asarray(x), jnp.asarray(tok))
     want = numpy_stats(x, tok)
     for f, w in want.items():
         g = np.asarray(getattr(got, f))
@@ -87,20 +101,22 @@ def test_reference_matches_numpy(V, kind):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6, equal_nan=True, err_msg=f)
 
 
-def test_reference_spec_values():
+@pytest.mark.parametrize("ref", REFERENCES)
+def test_reference_spec_values(ref):
+    reference = REFERENCES[ref]
     # uniform row: normalized entropy 1; top-3 entropy 3 * (1/V) log V
     V = 10
-    s = sp.gate_stats_reference(jnp.zeros((1, V)), jnp.zeros((1,), jnp.int32))
+    s = reference(jnp.zeros((1, V)), jnp.zeros((1,), jnp.int32))
     np.testing.assert_allclose(s.entropy, [math.log(V)], rtol=1e-6)
     assert float(s.entropy_normalized[0]) == 1.0  # exactly: SPEC's theta = 1 remark
     np.testing.assert_allclose(s.entropy_top3, [3 * math.log(V) / V], rtol=1e-6)
     assert int(s.argmax[0]) == 0
     # V == 1: every entropy is 0
-    s = sp.gate_stats_reference(jnp.array([[3.0]]), jnp.array([0]))
+    s = reference(jnp.array([[3.0]]), jnp.array([0]))
     assert float(s.entropy[0]) == 0 and float(s.entropy_normalized[0]) == 0
     assert float(s.entropy_top3[0]) == 0 and float(s.lse[0]) == 3.0
     # tied top values count with multiplicity, like a sorted top-k
-    s = sp.gate_stats_reference(jnp.array([[1.0, 5.0, 5.0, 5.0, 5.0]]), jnp.array([2]))
+    s = reference(jnp.array([[1.0, 5.0, 5.0, 5.0, 5.0]]), jnp.array([2]))
     p = np.exp(5.0) / (np.exp(1.0) + 4 * np.exp(5.0))
     np.testing.assert_allclose(s.entropy_top3, [-3 * p * np.log(p)], rtol=1e-5)
     assert int(s.argmax[0]) == 1 and float(s.token_logit[0]) == 5.0
@@ -136,7 +152,7 @@ def test_kernel_matches_reference(variant, N, V, block_v):
     x = jnp.asarray(mixed_logits(rng, N, V))
     tok = jnp.asarray(rng.integers(-2, V + 2, size=N), jnp.int32)
     got = sp.gate_stats(x, tok, impl="kernel", interpret=True, variant=variant, block_v=block_v)
-    assert_stats_close(got, sp.gate_stats_reference(x, tok), msg=f"{variant} N={N} V={V}")
+    assert_stats_close(got, plain(x, tok), msg=f"{variant} N={N} V={V}")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -147,9 +163,9 @@ def test_kernel_bfloat16(variant):
     tok = jnp.asarray(rng.integers(0, 333, size=20), jnp.int32)
     got = sp.gate_stats(x, tok, impl="kernel", interpret=True, variant=variant, block_v=128)
     # the same bf16 values, float32 arithmetic in both
-    assert_stats_close(got, sp.gate_stats_reference(x, tok), msg=variant)
+    assert_stats_close(got, plain(x, tok), msg=variant)
     # and within bf16 precision of the float32 logits they were rounded from
-    exact = sp.gate_stats_reference(jnp.asarray(x32), tok)
+    exact = plain(jnp.asarray(x32), tok)
     for f in ("entropy", "entropy_normalized", "entropy_top3", "lse", "max_logit"):
         np.testing.assert_allclose(getattr(got, f), getattr(exact, f), rtol=0.02, atol=0.05, err_msg=f)
 
@@ -168,7 +184,7 @@ def test_kernel_vocab_splits(variant):
     for splits in (3, 8):
         got = sp.gate_stats(x, tok, impl="kernel", interpret=True, variant=variant, block_v=128,
                             num_splits=splits)
-        assert_stats_close(got, sp.gate_stats_reference(x, tok), msg=f"{variant} S={splits}")
+        assert_stats_close(got, plain(x, tok), msg=f"{variant} S={splits}")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -176,7 +192,7 @@ def test_kernel_leading_dims_and_no_tokens(variant):
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(2, 3, 150)), jnp.float32)  # [B, K+1, V]
     got = sp.gate_stats(x, impl="kernel", interpret=True, variant=variant, block_v=128)
-    want = sp.gate_stats_reference(x)
+    want = plain(x)
     assert got.entropy.shape == (2, 3) and got.argmax.dtype == jnp.int32
     assert np.isnan(np.asarray(got.token_logit)).all()
     assert_stats_close(got, want)
@@ -190,14 +206,14 @@ def test_kernel_under_vmap(variant):
     tok = jnp.asarray(rng.integers(0, 300, (4, 3)), jnp.int32)
     f = jax.vmap(lambda x, t: sp.gate_stats(x, t, impl="kernel", interpret=True, variant=variant,
                                             block_v=128))
-    assert_stats_close(f(x, tok), sp.gate_stats_reference(x, tok))
+    assert_stats_close(f(x, tok), plain(x, tok))
 
 
 def test_kernel_under_jit():
     x = jnp.asarray(np.random.default_rng(5).normal(size=(4, 200)), jnp.float32)
     tok = jnp.arange(4, dtype=jnp.int32)
     f = jax.jit(lambda x, t: sp.gate_stats(x, t, impl="kernel", interpret=True, block_v=128))
-    assert_stats_close(f(x, tok), sp.gate_stats_reference(x, tok))
+    assert_stats_close(f(x, tok), plain(x, tok))
 
 
 # ------------------------------------------------------------------ dispatch and errors
@@ -217,7 +233,7 @@ def test_dispatch_defaults_and_switch(monkeypatch):
     sp.gate_stats(x, tok)  # CPU default: jnp reference
     assert _dispatch.resolve_impl(None) == "reference" and not calls
     monkeypatch.setenv(_dispatch.ENV_VAR, "kernel")
-    assert_stats_close(sp.gate_stats(x, tok, block_v=128), sp.gate_stats_reference(x, tok))
+    assert_stats_close(sp.gate_stats(x, tok, block_v=128), plain(x, tok))
     assert len(calls) == 1 and calls[0]["interpret"] is True
     monkeypatch.setenv(_dispatch.ENV_VAR, "auto")
     sp.gate_stats(x, tok, block_v=128, backend=Backend(pallas="kernel"))  # the backend's choice beats the env
@@ -270,7 +286,7 @@ def test_hypothesis_rows(data):
     fin = data.draw(st.lists(st.integers(0, V - 1), min_size=N, max_size=N))
     x[np.arange(N), fin] = np.where(np.isfinite(x[np.arange(N), fin]), x[np.arange(N), fin], 1.0)
     tok = np.array(data.draw(st.lists(st.integers(-1, V), min_size=N, max_size=N)), np.int32)
-    ref = sp.gate_stats_reference(jnp.asarray(x), jnp.asarray(tok))
+    ref = plain(jnp.asarray(x), jnp.asarray(tok))
     for f, w in numpy_stats(x, tok).items():
         np.testing.assert_allclose(np.asarray(getattr(ref, f)), w, rtol=1e-5, atol=2e-6,
                                    equal_nan=True, err_msg=f)
@@ -296,4 +312,4 @@ def test_mosaic_on_tpu_interpreter_with_poisoned_reads():
             x, tok_k, block_v=block_v, block_n=block_n, num_splits=splits, interpret=params)
         p = sp.GatePartials(m, s, t, jnp.stack([m, v2, v3], -1), arg.astype(jnp.int32), tk)
         got = sp.finalize_partials(sp.combine_partials(p), V, tok)
-        assert_stats_close(got, sp.gate_stats_reference(x, tok), msg=f"N={N} V={V}")
+        assert_stats_close(got, plain(x, tok), msg=f"N={N} V={V}")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import sampling, verify
+from specjax import verify
+from specjax.verify import _common
 from specjax.models import Config, random_model
 
 CFG = Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -113,9 +114,9 @@ def test_tiny_temperature_is_greedy_eager_and_jitted(T):
             assert (int(got.num_accepted), int(got.next_token)) == (int(want.num_accepted), int(want.next_token)), \
                 (name, how, T)
     L_BV = L[:4]
-    for how, fn in (("eager", sampling.sample), ("jit", jax.jit(sampling.sample, static_argnums=(2, 3)))):
-        np.testing.assert_array_equal(fn(key, L_BV, T, 1.0), sampling.greedy(L_BV), err_msg=how)
-        np.testing.assert_array_equal(fn(key, L_BV, T, 0.9), sampling.greedy(L_BV), err_msg=how)
+    for how, fn in (("eager", _common.sample), ("jit", jax.jit(_common.sample, static_argnums=(2, 3)))):
+        np.testing.assert_array_equal(fn(key, L_BV, T, 1.0), _common.greedy(L_BV), err_msg=how)
+        np.testing.assert_array_equal(fn(key, L_BV, T, 0.9), _common.greedy(L_BV), err_msg=how)
 
 
 def test_tiny_temperature_engine_gives_the_greedy_tokens(model):
@@ -128,7 +129,7 @@ def test_tiny_temperature_engine_gives_the_greedy_tokens(model):
 def test_ordinary_temperatures_keep_their_distribution():
     """The max-shifted tempering is the same distribution: p = softmax(L / T)."""
     d, L = _round()
-    stats = jax.jit(lambda d, L: verify.row_stats(sampling.tempered(L, 0.7), d))(jnp.concatenate([d, d[:1]]), L)
+    stats = jax.jit(lambda d, L: verify.row_stats(_common.tempered(L, 0.7), d))(jnp.concatenate([d, d[:1]]), L)
     x = np.asarray(L, np.float64) / 0.7
     lse = np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
     p_d = np.exp(x[np.arange(5), np.concatenate([d, d[:1]])] - lse)
@@ -153,7 +154,7 @@ def test_invalid_logit_rows_name_no_token():
                 assert int(v.next_token) == -1, name
         logits_BV = jnp.stack([L[0], bad_row])
         for T in (0.0, 1.0):
-            tokens = sampling.sample(jax.random.key(0), logits_BV, T)
+            tokens = _common.sample(jax.random.key(0), logits_BV, T)
             assert int(tokens[0]) == int(jnp.argmax(L[0])) or T > 0
             assert int(tokens[1]) == -1, (T, bad_row)
 

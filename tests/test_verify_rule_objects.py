@@ -231,3 +231,26 @@ def test_call_rejects_bad_shapes():
         call(d, L, key=None)
     with pytest.raises(ValueError, match=r"active must be a scalar or \[B\]"):
         call(d, L, active_B=jnp.ones(B + 1, bool))
+
+
+@pytest.mark.parametrize("rule, T", [(verify.Greedy(), 0.0), (verify.Fly(), 0.0), (verify.Fly(), 0.7),
+                                     (verify.Asd(theta=0.1), 0.0), (verify.Csd(), 0.0), (verify.Sampling(), 0.7),
+                                     (verify.Typical(), 0.7)], ids=lambda x: getattr(x, "name", x))
+def test_a_rule_object_checks_its_batch_once(rule, T, monkeypatch):
+    """The logits' shape is checked once per trace, for the batch; the per-row logic does not check again
+    (the per-sequence functions, called on their own, still do: test_verify_errors)."""
+    from specjax.verify import _common
+
+    calls = {"check_batch": 0, "check_inputs": 0}
+    for name in calls:
+        real = getattr(_common, name)
+        monkeypatch.setattr(_common, name, lambda *a, _name=name, _real=real: (
+            calls.__setitem__(_name, calls[_name] + 1), _real(*a))[1])
+    state = MEMORY if rule.name == "csd" else rule.init_state(B)
+    jax.make_jaxpr(lambda d, L: rule(state, d, L, num_draft_B=K_RB[0], key=jax.random.key(0), temperature=T))(
+        D_RBK[0], L_RBKV[0])
+    assert calls == {"check_batch": 1, "check_inputs": 0}
+    with pytest.raises(ValueError, match=r"target_logits must be a float array \[B, K\+1, V\]"):
+        rule(state, D_RBK[0], jnp.zeros(L_RBKV[0].shape, jnp.int32), key=jax.random.key(0), temperature=T)
+    with pytest.raises(ValueError, match=r"num_draft=6 outside \[0, K = 5\]"):
+        rule(state, D_RBK[0], L_RBKV[0], num_draft_B=K + 1, key=jax.random.key(0), temperature=T)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import verify
-from specjax.verify import _sampling
+from specjax.verify import _common, _sampling
 
 M = 40_000  # keys
 ALPHA = 1e-4  # a correct sampler fails one seed in 10^4; the mutants sit at p ~ 0
@@ -73,3 +73,21 @@ def test_point_mass_drafts_follow_the_target():
     # draft_probs=None: the drafter is a point mass on its token (prompt lookup).
     counts = emitted(draft_probs_is_none=True)
     assert chi2_pvalue(counts[0], P[0]) > ALPHA and chi2_pvalue(counts[2], P[2]) > ALPHA
+
+
+# --- token choice from logits (verify._common: the loop's, the drafters' and the rules') ---
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
+    kept = np.isfinite(np.asarray(_common.top_p_logits(logits, 0.7)))
+    np.testing.assert_array_equal(kept[0], [True, True, False, False])
+    np.testing.assert_array_equal(kept[1], [True, True, True, True])  # ties at the cut all stay
+
+
+def test_sampling_follows_the_distribution():
+    probs = np.array([0.6, 0.3, 0.1, 0.0])
+    logits = jnp.log(jnp.asarray(probs))[None].repeat(4000, 0)
+    draws = np.asarray(_common.sample(jax.random.PRNGKey(0), logits, 1.0))
+    freq = np.bincount(draws, minlength=4) / draws.size
+    np.testing.assert_allclose(freq, probs, atol=0.03)

@@ -9,7 +9,6 @@ rather than silently computing something else.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -79,16 +78,6 @@ class Config:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies, float32[Dh/2], computed as transformers does."""
-        exponents = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.head_dim)
-        inv_freq = (1.0 / (np.float32(self.rope_theta) ** exponents)).astype(np.float32)
-        if self.rope_scaling is not None:
-            inv_freq = _llama3_scale(inv_freq, self.rope_scaling)
-        if self.rope_freq_factors is not None:
-            inv_freq = (inv_freq / np.asarray(self.rope_freq_factors, np.float32)).astype(np.float32)
-        return inv_freq
-
     def num_params(self) -> int:
         d, f, h, g, dh = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
         per_layer = d * h * dh * 2 + d * g * dh * 2 + 3 * d * f + 2 * d
@@ -96,20 +85,6 @@ class Config:
             per_layer += (h + 2 * g) * dh
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.num_layers * per_layer + embed + d
-
-
-def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
-    # Smoothly interpolates between scaled low and unscaled high frequencies
-    # (Llama 3.1 report, as implemented by transformers' _compute_llama3_parameters).
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
 # --- Hugging Face config.json -------------------------------------------------

@@ -16,16 +16,18 @@ write simply overwrites them, and a row's length pointer is its truth.
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from specjax import backend as _backend
-from specjax.backend import Backend
+from specjax.backend import PLAIN, Backend
 from specjax.models import quant
-from specjax.models.config import Config
+from specjax.models.config import Config, RopeScaling
 
 _init = nn.initializers.normal(0.02)
 
@@ -88,6 +90,43 @@ def _row_sum(a):
     return s if s.shape[-1] == 1 else jnp.sum(s, axis=-1, keepdims=True)
 
 
+def rope_inv_freq(config: Config) -> np.ndarray:
+    """RoPE inverse frequencies, float32[Dh / 2], computed as transformers does: base
+    rope_theta, Llama 3.1's `rope_scaling`, then a GGUF's per-frequency `rope_freq_factors`."""
+    Dh = config.head_dim
+    exponents = np.arange(0, Dh, 2, dtype=np.int64).astype(np.float32) / np.float32(Dh)
+    inv_freq = (1.0 / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:
+        inv_freq = (inv_freq / np.asarray(config.rope_freq_factors, np.float32)).astype(np.float32)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
+    # Smoothly interpolates between scaled low and unscaled high frequencies
+    # (Llama 3.1 report, as implemented by transformers' _compute_llama3_parameters).
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def check_positions(fn: str, config: Config, used: int, what: str) -> None:
+    """Warns when `used` positions pass the model's max_position_embeddings: RoPE was never trained
+    there (`Model.logits` and the Engine check before running)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and used > limit:
+        warnings.warn(f"{fn}: {what} = {used} positions, more than the model's max_position_embeddings "
+                      f"{limit}; positions past it were never trained, so the output there may be meaningless",
+                      stacklevel=3)
+
+
 def apply_rope(x_BTHDh, positions_BT, inv_freq):
     """Rotary embedding in transformers' half-split layout (rotate_half); inv_freq: f32[Dh / 2]."""
     freqs = positions_BT[..., None].astype(jnp.float32) * inv_freq  # [B, T, Dh / 2]
@@ -121,7 +160,7 @@ class Block(nn.Module):
         B, T, _ = x_BTD.shape
         # a weight may be a float array or a block-quantized one (quant.contract: XLA's dot of
         # its dequantization, or the backend's native kernel for decode-sized products)
-        backend = _backend.of(self.backend)
+        backend = self.backend or PLAIN
         at = layer if self.stacked else None
         w = lambda name, shape: _weight(self, name, shape)  # noqa: E731
         p = lambda name, shape: quant.materialize(  # noqa: E731
@@ -137,7 +176,7 @@ class Block(nn.Module):
             q_BTHDh += p("bq", (H, Dh))
             k_BTGDh += p("bk", (G, Dh))
             v_BTGDh += p("bv", (G, Dh))
-        inv_freq = jnp.asarray(c.inv_freq())
+        inv_freq = jnp.asarray(rope_inv_freq(c))
         q_BTHDh = apply_rope(q_BTHDh, positions_BT, inv_freq)
         k_BTGDh = apply_rope(k_BTGDh, positions_BT, inv_freq)
 
@@ -188,7 +227,7 @@ class Transformer(nn.Module):
     def _packed_stack(self) -> bool:
         """Stacked layers holding weights in a kernel's layout (`quant.Relaid`, packed by the Engine
         for the native kernel), which a native backend reads in place."""
-        if self.is_initializing() or not _backend.of(self.backend).native:
+        if self.is_initializing() or not (self.backend or PLAIN).native:
             return False
         stack = self.variables.get("params", {}).get("layers", {})
         relaid = lambda w: isinstance(w, quant.Relaid)  # noqa: E731

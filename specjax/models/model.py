@@ -49,7 +49,7 @@ class Model:
         tokens_BT = _checks.token_ids("Model.logits", tokens_BT, self.config.vocab_size)
         if tokens_BT.ndim != 2 or tokens_BT.shape[1] == 0:
             raise ValueError(f"tokens must be int32[B, T] with T >= 1, got shape {tokens_BT.shape}")
-        _checks.positions("Model.logits", self.config, tokens_BT.shape[1], "T")
+        llama.check_positions("Model.logits", self.config, tokens_BT.shape[1], "T")
         tokens_BT = jnp.asarray(tokens_BT, jnp.int32)
         return _logits(self.config, self.dtype, self.params, tokens_BT)
 

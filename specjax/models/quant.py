@@ -25,8 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import backend as _backend
-from specjax.backend import Backend
+from specjax.backend import PLAIN, Backend
 
 
 def _bytes(*arrays) -> int:
@@ -129,7 +128,7 @@ def contract(spec: str, x: jax.Array, w, n_in: int, dtype=jnp.float32, layer=Non
     to its kernel (the same values from codes or from their float32 dequantization, bit for bit),
     which reads a stacked Relaid weight in place; everything else is XLA's dot of the
     materialized weight."""
-    backend = _backend.of(backend)
+    backend = backend or PLAIN  # plain data on the traced path (no call)
     lead, inner = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in:]
     K, rows = math.prod(inner), math.prod(lead)
     if layer is not None and not (isinstance(w, Relaid) and _use_native(x, w, rows, backend, stacked=True)):
@@ -173,7 +172,7 @@ def matmul_columns(x_BTD: jax.Array, w, dtype=jnp.float32, chunk: int | None = N
     does not divide V. chunk 0 is one whole dot; None takes `backend.head_chunk`, else
     `default_head_chunk()`. With a native `backend` a decode-sized product runs in its kernel.
     """
-    backend = _backend.of(backend)
+    backend = backend or PLAIN  # plain data on the traced path (no call)
     shape = w.shape
     if len(shape) != 2 or (isinstance(w, BlockQuant) and w.codes.ndim != 3):
         raise ValueError(f"matmul_columns needs an unstacked [D, V] table, got shape {shape}")

@@ -10,7 +10,9 @@
 selection is `regret_prefix`.
 
 Each dispatches (see `_dispatch`) to the compiled kernel on GPU/TPU and to its jnp
-reference on CPU; `impl="kernel"`, `backend=Backend(pallas="kernel")` or
+reference on CPU (for the gate statistics, the kernel's own algebra in jnp; the rules
+themselves compute the plain statistics on CPU without this package, and call the kernel
+where their backend says "kernel"); `impl="kernel"`, `backend=Backend(pallas="kernel")` or
 `SPECJAX_PALLAS=kernel` forces the kernel (interpret mode on CPU). With
 `backend=Backend(platform="tpu")`, or a mesh of TPU devices in context, a CPU host
 traces the compiled Mosaic variant (for deviceless AOT compilation to a TPU topology).
@@ -18,8 +20,8 @@ With `backend.mesh` set, a kernel traced outside a shard_map runs in a replicate
 over it (the partitioner cannot split a Mosaic or Triton call).
 """
 
-from specjax.pallas._dispatch import ENV_VAR, target_platform
-from specjax.pallas.gate_stats import (GatePartials, GateStats, combine_partials,
+from specjax.pallas._dispatch import ENV_VAR, resolve_backend, resolve_impl, target_platform
+from specjax.pallas.gate_stats import (GatePartials, GateStats, check_inputs, combine_partials,
                                        finalize_partials, gate_partials,
                                        gate_partials_reference, gate_stats,
                                        gate_stats_reference)
@@ -28,8 +30,8 @@ from specjax.pallas.regret_prefix import (RegretPrefix, regret_prefix,
 from specjax.pallas.sharded import gate_stats_sharded
 
 __all__ = [
-    "ENV_VAR", "target_platform",
-    "GateStats", "GatePartials", "gate_stats", "gate_stats_reference", "gate_partials",
+    "ENV_VAR", "resolve_backend", "resolve_impl", "target_platform",
+    "GateStats", "GatePartials", "check_inputs", "gate_stats", "gate_stats_reference", "gate_partials",
     "gate_partials_reference", "combine_partials", "finalize_partials",
     "gate_stats_sharded",
     "RegretPrefix", "regret_prefix", "regret_prefix_reference", "suffix_weights",

@@ -25,7 +25,7 @@ from specjax import backend as _backend
 
 ENV_VAR = "SPECJAX_PALLAS"
 _IMPLS = _backend.PALLAS_IMPLS
-_VARIANTS = ("mosaic", "triton")
+_VARIANTS = _backend.PALLAS_VARIANTS
 
 
 def run_kernel(fn, *args, backend=None):
@@ -73,6 +73,8 @@ def resolve_impl(impl: str | None, backend=None) -> str:
 
 def resolve_interpret(interpret: bool | None, backend=None) -> bool:
     if interpret is None:
+        interpret = _backend.of(backend).interpret
+    if interpret is None:
         return accelerator(backend) is None
     return bool(interpret)
 
@@ -82,10 +84,24 @@ def resolve_variant(variant: str | None, backend=None) -> str:
     loads; GPU) or "mosaic" (BlockSpec pipeline over a (rows, vocabulary) grid with
     the vocabulary as the reduction axis; TPU). Both run in interpret mode."""
     if variant is None:
+        variant = _backend.of(backend).variant
+    if variant is None:
         return "triton" if accelerator(backend) == "gpu" else "mosaic"
     if variant not in _VARIANTS:
         raise ValueError(f"variant must be one of {_VARIANTS} or None, got {variant!r}")
     return variant
+
+
+def resolve_backend(backend) -> "_backend.Backend":
+    """`backend` with its Pallas choices resolved for its platform: `pallas` "kernel" or "reference"
+    (from `backend.pallas`, $SPECJAX_PALLAS, else "auto"), `interpret`, `variant` and `platform`
+    set. The Engine builds its backend through this once, so the traced program reads plain fields
+    (the rules call the plain jnp statistics or the kernel without asking this module again)."""
+    backend = _backend.of(backend)
+    platform = target_platform(backend)
+    return backend.replace(pallas=resolve_impl(None, backend), interpret=resolve_interpret(None, backend),
+                           variant=resolve_variant(None, backend),
+                           platform=platform if platform in _backend.PLATFORMS else backend.platform)
 
 
 def check_compiled_variant(variant: str, interpret: bool, backend=None) -> None:

@@ -5,8 +5,13 @@
     stats.max_logit - stats.token_logit   # ASD regret r[i]
     stats.entropy_normalized, stats.entropy_top3   # docs/rules.md "Entropy"
 
-`gate_stats_reference` is the straightforward jnp version (softmax, top_k);
-`gate_stats` dispatches to the Pallas kernel or to it (see `_dispatch`).
+`gate_stats` dispatches to the Pallas kernel or to its jnp reference (see `_dispatch`).
+`gate_stats_reference` is the kernel's own algebra in jnp: the partial statistics of each row
+computed directly (`gate_partials_reference`), then the same `finalize` the kernel's output
+goes through. The plain statistics (softmax, top_k over a whole row: docs/rules.md's
+definitions) are `specjax.verify._common.gate_stats_reference`, the one reference the rules run
+on CPU and the kernels are tested against; this package cannot import it (it sits below
+verify), and needs none of it: the kernels and this reference share `_online`'s algebra.
 """
 
 from __future__ import annotations
@@ -70,43 +75,15 @@ def first_argmax(x, m):
 
 
 def gate_stats_reference(logits, tokens=None) -> GateStats:
-    """Straightforward jnp statistics of `logits` [..., V]; tokens int [...] or None."""
+    """jnp statistics of `logits` [..., V] by the kernel's algebra (per-row partials, then
+    `finalize`); tokens int [...] or None."""
     check_inputs(logits, tokens)
-    return _reference(logits, tokens)
-
-
-@jax.jit
-def _reference(logits, tokens) -> GateStats:
-    x = logits.astype(jnp.float32)
-    V = x.shape[-1]
-    m = jnp.max(x, axis=-1, keepdims=True)
-    ms = jnp.where(m == NEG_INF, 0.0, m)
-    d = x - ms                                   # <= 0; -inf entries give exp(d) = 0
-    e = jnp.exp(d)
-    s = jnp.sum(e, axis=-1)
-    log_s = jnp.log(s)
-    lse = ms[..., 0] + log_s
-    # H = -sum p log p with p = e / s, log p = d - log s; 0 log 0 = 0.
-    entropy = log_s - jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1) / s
-    entropy = jnp.maximum(entropy, 0.0)
-    normalized = _online.normalized_entropy(entropy, s, V)
-    top = jax.lax.top_k(x, min(3, V))[0]
-    if tokens is None:
-        token_logit = jnp.full(x.shape[:-1], jnp.nan, jnp.float32)
-    else:
-        tok = tokens.astype(jnp.int32)
-        ok = (tok >= 0) & (tok < V)
-        picked = jnp.take_along_axis(x, jnp.clip(tok, 0, V - 1)[..., None], axis=-1)[..., 0]
-        token_logit = jnp.where(ok, picked, jnp.nan)
-    return GateStats(
-        max_logit=m[..., 0],
-        argmax=first_argmax(x, m[..., 0]),
-        lse=lse,
-        entropy=entropy,
-        entropy_normalized=normalized,
-        entropy_top3=_online.top3_entropy(top, m[..., 0], log_s),
-        token_logit=token_logit,
-    )
+    *lead, V = logits.shape
+    M = int(np.prod(lead, dtype=np.int64))
+    x = jnp.reshape(logits, (M, V))
+    tok = jnp.full((M,), -1, jnp.int32) if tokens is None else jnp.reshape(tokens, (M,)).astype(jnp.int32)
+    stats = _online.finalize(gate_partials_reference(x, tok), V, None if tokens is None else tok)
+    return GateStats(*(jnp.reshape(a, lead) for a in stats))
 
 
 def gate_partials_reference(x_MV, tok_M) -> GatePartials:

@@ -3,8 +3,8 @@
 Each rule verifies one sequence (draft_tokens int[K], target_logits [K+1, V]);
 jax.vmap gives the batch. The rule objects (`Greedy()`, `Fly(theta=0.2)`, ...) hold a
 rule's options and state and verify a batch; the engine takes them as its method.
-Every rule reads the logits through `row_stats`, which takes its statistics from
-`specjax.pallas` (fused kernels on GPU/TPU). Every rule takes `backend=None`: a
+Every rule reads the logits through `row_stats`: plain jnp statistics on CPU, the
+fused `specjax.pallas` kernels where the backend says "kernel" (GPU/TPU). Every rule takes `backend=None`: a
 `specjax.backend.Backend`, e.g. `Backend(vocab_sharding=VocabSharding(mesh))` for logits
 sharded over the vocabulary on a mesh.
 """

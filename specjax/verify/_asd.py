@@ -60,6 +60,12 @@ def asd(draft_tokens, target_logits, budget_left, *, gate=0.25, block_cap=2, suf
     check_options(fn, gate=gate, block_cap=block_cap, suffix=suffix, temperature=temperature)
     _common.check_number(fn, "budget_left", budget_left)
     d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
+    return decide(d_K, L_RV, budget_left, k, _common.check_loose_mask(fn, loose_mask, d_K.shape[0]), gate=gate,
+                  block_cap=block_cap, suffix=suffix, backend=_common.backend_of(backend))
+
+
+def decide(d_K, L_RV, budget_left, k, loose_mask, *, gate, block_cap, suffix, backend):
+    """ASD on one checked sequence (loose_mask bool[K] or None: all allowed)."""
     K = d_K.shape[0]
     budget = jnp.asarray(budget_left, jnp.float32)
     stats = _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True)
@@ -69,7 +75,8 @@ def asd(draft_tokens, target_logits, budget_left, *, gate=0.25, block_cap=2, suf
     # reaches the ledger.
     r_K = jnp.where(mis_K, stats.max[:K] - stats.logit_at[:K], 0.0)
     sel = pallas.regret_prefix(mis_K, r_K, budget, gate=gate, block_cap=block_cap, suffix=suffix, num_draft=k,
-                               loose_mask=_common.check_loose_mask(fn, loose_mask, K), backend=backend)
+                               loose_mask=jnp.ones((K,), bool) if loose_mask is None else loose_mask,
+                               backend=backend)
     n = sel.num_accepted
     return Verdict(n, stats.argmax[n], sel.num_loose), sel.budget_left
 
@@ -96,8 +103,8 @@ class Asd(_common.Rule, name="asd"):
 
     def _step(self, ledger_B, rnd):
         def row(d, L, budget_left, k, mask):
-            return asd(d, L, budget_left, gate=self.gate, block_cap=self.block_cap, suffix=self.suffix,
-                       num_draft=k, loose_mask=mask, backend=rnd.backend)
+            return decide(d, L, budget_left, k, mask, gate=self.gate, block_cap=self.block_cap, suffix=self.suffix,
+                          backend=rnd.backend)
 
         mask_BK = _common.entropy_gate_BK(self.theta, self.entropy, rnd)
         verdict, left_B = _common.vmap(row, rnd.backend)(rnd.d_BK, rnd.L_BRV, ledger_B, rnd.k_B, mask_BK)

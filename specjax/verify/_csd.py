@@ -30,11 +30,9 @@ def check_options(fn: str, *, min_count, tau, update, temperature=0.0) -> None:
         raise ValueError(f"{fn}: CSD is a temperature-0 rule; got temperature={temperature}")
 
 
-def _decide(fn, d_K, L_RV, memory, k, loose_mask, *, min_count, tau, backend=None):
-    """One sequence against the start-of-round table: (Verdict, pairs int32[K, 2], reached bool[K])."""
-    d_K, L_RV, k = _common.check_inputs(fn, d_K, L_RV, k)
+def _decide(d_K, L_RV, memory, k, allowed_K, *, min_count, tau, backend):
+    """One checked sequence against the start-of-round table: (Verdict, pairs int32[K, 2], reached bool[K])."""
     K = d_K.shape[0]
-    allowed_K = _common.check_loose_mask(fn, loose_mask, K)
     stats = _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True)
     t_K = stats.argmax[:K]
     ex_K = _common.exact_flags(d_K, stats.argmax, k)
@@ -60,8 +58,9 @@ def csd(draft_tokens, target_logits, memory: CSDMemory, *, min_count=6, tau=0.01
     fn = "csd"
     check_options(fn, min_count=min_count, tau=tau, update=update, temperature=temperature)
     _csd_memory.check_memory(fn, memory)
-    verdict, pairs_K2, reached_K = _decide(fn, draft_tokens, target_logits, memory, num_draft, loose_mask,
-                                           min_count=min_count, tau=tau, backend=backend)
+    d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
+    verdict, pairs_K2, reached_K = _decide(d_K, L_RV, memory, k, _common.check_loose_mask(fn, loose_mask, d_K.shape[0]),
+                                           min_count=min_count, tau=tau, backend=_common.backend_of(backend))
     if update:
         memory = _csd_memory.add(memory, pairs_K2, reached_K)
     return verdict, memory
@@ -83,13 +82,22 @@ def csd_batch(draft_tokens_BK, target_logits_BKV, memory: CSDMemory, *, min_coun
     if d_BK.ndim != 2 or L_BRV.ndim != 3 or L_BRV.shape[0] != d_BK.shape[0]:
         raise ValueError(f"{fn}: expected draft_tokens [B, K] and target_logits [B, K+1, V], "
                          f"got {list(d_BK.shape)} and {list(L_BRV.shape)}")
+    d_BK, L_BRV, k_B = _common.check_batch(fn, d_BK, L_BRV, num_draft)
     B, K = d_BK.shape
-    k_B = jnp.broadcast_to(_batch_arg(fn, "num_draft", K if num_draft is None else num_draft, B), (B,))
     active_B = jnp.broadcast_to(_batch_arg(fn, "active", True if active is None else active, B), (B,))
     mask_BK = jnp.ones((B, K), bool) if loose_mask is None else jnp.asarray(loose_mask)
+    if mask_BK.shape != (B, K):
+        raise ValueError(f"{fn}: loose_mask must be bool[B, K] = [{B}, {K}], got {list(mask_BK.shape)}")
+    return _batch(d_BK, L_BRV, memory, k_B, active_B, mask_BK.astype(bool), min_count=min_count, tau=tau,
+                  update=update, backend=_common.backend_of(backend))
+
+
+def _batch(d_BK, L_BRV, memory, k_B, active_B, mask_BK, *, min_count, tau, update, backend):
+    """CSD on a checked batch sharing one memory (`csd_batch` without its checks)."""
+    B, K = d_BK.shape
 
     def row(d_K, L_RV, k, mask_K):
-        return _decide(fn, d_K, L_RV, memory, k, mask_K, min_count=min_count, tau=tau, backend=backend)
+        return _decide(d_K, L_RV, memory, k, mask_K, min_count=min_count, tau=tau, backend=backend)
 
     verdict, pairs_BK2, reached_BK = _common.vmap(row, backend)(d_BK, L_BRV, k_B, mask_BK)
     if update:
@@ -129,8 +137,8 @@ class Csd(_common.Rule, name="csd"):
         return _csd_memory.csd_memory(self.capacity)
 
     def _step(self, memory, rnd):
-        verdict, memory = csd_batch(rnd.d_BK, rnd.L_BRV, memory, min_count=self.min_count, tau=self.tau,
-                                    update=self.update, num_draft=rnd.k_B, active=rnd.active_B,
-                                    loose_mask=_common.entropy_gate_BK(self.theta, self.entropy, rnd),
-                                    backend=rnd.backend)
+        mask_BK = _common.entropy_gate_BK(self.theta, self.entropy, rnd)
+        verdict, memory = _batch(rnd.d_BK, rnd.L_BRV, memory, rnd.k_B, rnd.active_B,
+                                 jnp.ones(rnd.d_BK.shape, bool) if mask_BK is None else mask_BK, min_count=self.min_count,
+                                 tau=self.tau, update=self.update, backend=rnd.backend)
         return verdict, memory, jnp.zeros(verdict.num_accepted.shape, jnp.float32)

@@ -63,15 +63,27 @@ def fly(draft_tokens, target_logits, *, theta=0.3, window=6, entropy="normalized
     check_options(fn, theta=theta, window=window, entropy=entropy, rule=rule)
     temperature = _common.check_temperature(fn, temperature)
     d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
+    q_KV = None
+    if temperature > 0:
+        q_KV = _common.check_draft_probs(fn, draft_probs, d_K.shape[0], L_RV.shape[1])
+        key = _common.check_key(fn, key)
+    return decide(d_K, L_RV, k, key, q_KV, theta=theta, window=window, entropy=entropy, rule=rule,
+                  temperature=temperature, backend=_common.backend_of(backend))
+
+
+def decide(d_K, L_RV, k, key, q_KV, *, theta, window, entropy, rule, temperature, backend) -> Verdict:
+    """FLy on one checked sequence (d_K int32[K], L_RV [K+1, V], k int32[] in [0, K]; key and q_KV
+    float32[K, V] or None at T > 0): the rule, top to bottom."""
     K = d_K.shape[0]
     stats = _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True)
+    # ex[i]: the exact test (argmax match at T = 0; speculative sampling's accept at T > 0)
     if temperature == 0:
         ex_K = _common.exact_flags(d_K, stats.argmax, k)
     else:
-        q_KV = _common.check_draft_probs(fn, draft_probs, K, L_RV.shape[1])
-        ku, kr = jax.random.split(_common.check_key(fn, key))
+        ku, kr = jax.random.split(key)
         stats_T = _sampling.tempered_stats(d_K, L_RV, temperature, backend)
         ex_K = _sampling.sampling_flags(ku, d_K, stats_T, q_KV, k)
+    # loose[i]: a mismatch behind the entropy gate and a window of matches (never on an invalid row)
     h_K = _common.entropy_of(stats, entropy)[:K]
     loose_K = loose_flags(ex_K, h_K, theta=theta, window=window, rule=rule, k=k) & (stats.argmax[:K] >= 0)
     n = _common.accepted_count(ex_K | loose_K)
@@ -95,5 +107,5 @@ class Fly(_common.Rule, name="fly", sampling=True):
         check_options(fn, theta=self.theta, window=self.window, entropy=self.entropy, rule=self.rule)
 
     def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
-        return fly(d_K, L_RV, theta=self.theta, window=self.window, entropy=self.entropy, rule=self.rule,
-                   temperature=temperature, draft_probs=q_KV, key=key, num_draft=k, backend=backend)
+        return decide(d_K, L_RV, k, key, q_KV, theta=self.theta, window=self.window, entropy=self.entropy,
+                      rule=self.rule, temperature=temperature, backend=backend)

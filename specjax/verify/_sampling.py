@@ -13,14 +13,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax import sampling
 from specjax.verify import _common, _greedy
 from specjax.verify._common import Verdict
 
 
 def tempered_stats(d_K, L_RV, temperature: float, backend=None) -> _common.RowStats:
-    """Statistics of (L - max L) / T, so that p[i] = exp(tempered(L[i]) - lse[i]) (`sampling.tempered`)."""
-    return _common.row_stats(sampling.tempered(L_RV, temperature), _common.padded(d_K), backend, checked=True)
+    """Statistics of (L - max L) / T, so that p[i] = exp(tempered(L[i]) - lse[i]) (`_common.tempered`)."""
+    return _common.row_stats(_common.tempered(L_RV, temperature), _common.padded(d_K), backend, checked=True)
 
 
 def sampling_flags(ku, d_K, stats_T, q_KV, k) -> jax.Array:
@@ -39,7 +38,7 @@ def residual_sample(kr, d_K, L_RV, stats_T, q_KV, temperature: float, n, k) -> j
     An all-zero residual (q[n] covering p[n]) falls back to p[n].
     """
     K, V = d_K.shape[0], L_RV.shape[1]
-    p_V = jnp.exp(sampling.tempered(L_RV[n], temperature) - stats_T.lse[n])
+    p_V = jnp.exp(_common.tempered(L_RV[n], temperature) - stats_T.lse[n])
     i = jnp.minimum(n, K - 1)  # row n of q exists only for n < k; masked below
     q_V = jax.nn.one_hot(d_K[i], V, dtype=jnp.float32) if q_KV is None else q_KV[i]
     r_V = jnp.maximum(0.0, p_V - jnp.where(n < k, q_V, 0.0))
@@ -62,7 +61,14 @@ def speculative_sampling(draft_tokens, target_logits, key, *, draft_probs=None, 
         return _greedy.greedy(draft_tokens, target_logits, num_draft=num_draft, backend=backend)
     d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
     q_KV = _common.check_draft_probs(fn, draft_probs, d_K.shape[0], L_RV.shape[1])
-    ku, kr = jax.random.split(_common.check_key(fn, key))
+    return decide(d_K, L_RV, k, _common.check_key(fn, key), q_KV, temperature, _common.backend_of(backend))
+
+
+def decide(d_K, L_RV, k, key, q_KV, temperature: float, backend) -> Verdict:
+    """Speculative sampling on one checked sequence (greedy at T = 0)."""
+    if temperature == 0:
+        return _greedy.decide(d_K, L_RV, k, backend)
+    ku, kr = jax.random.split(key)
     stats_T = tempered_stats(d_K, L_RV, temperature, backend)
     n = _common.accepted_count(sampling_flags(ku, d_K, stats_T, q_KV, k))
     return Verdict(n, residual_sample(kr, d_K, L_RV, stats_T, q_KV, temperature, n, k), jnp.int32(0))
@@ -73,5 +79,4 @@ class Sampling(_common.Rule, name="sampling", sampling=True):
     """Lossless speculative sampling (T > 0; greedy at T = 0)."""
 
     def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
-        return speculative_sampling(d_K, L_RV, key, draft_probs=q_KV, temperature=temperature, num_draft=k,
-                                    backend=backend)
+        return decide(d_K, L_RV, k, key, q_KV, temperature, backend)

@@ -7,7 +7,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax import sampling
 from specjax.verify import _common, _greedy, _sampling
 from specjax.verify._common import Verdict
 
@@ -30,13 +29,21 @@ def typical(draft_tokens, target_logits, key, *, epsilon=0.09, delta=0.3, temper
     if temperature == 0:
         return _greedy.greedy(draft_tokens, target_logits, num_draft=num_draft, backend=backend)
     d_K, L_RV, k = _common.check_inputs(fn, draft_tokens, target_logits, num_draft)
+    return decide(d_K, L_RV, k, _common.check_key(fn, key), epsilon=epsilon, delta=delta, temperature=temperature,
+                  backend=_common.backend_of(backend))
+
+
+def decide(d_K, L_RV, k, key, *, epsilon, delta, temperature: float, backend) -> Verdict:
+    """Typical acceptance on one checked sequence (greedy at T = 0)."""
+    if temperature == 0:
+        return _greedy.decide(d_K, L_RV, k, backend)
     K = d_K.shape[0]
     stats_T = _sampling.tempered_stats(d_K, L_RV, temperature, backend)
     p_d_K = jnp.exp(stats_T.logit_at - stats_T.lse)[:K]
     threshold_K = jnp.minimum(epsilon, delta * jnp.exp(-stats_T.entropy[:K]))
     n = _common.accepted_count((p_d_K > threshold_K) & _common.valid_mask(K, k))
-    _, kr = jax.random.split(_common.check_key(fn, key))
-    next_token = jax.random.categorical(kr, sampling.tempered(L_RV[n], temperature) - stats_T.lse[n]).astype(jnp.int32)
+    _, kr = jax.random.split(key)
+    next_token = jax.random.categorical(kr, _common.tempered(L_RV[n], temperature) - stats_T.lse[n]).astype(jnp.int32)
     next_token = jnp.where(stats_T.argmax[n] >= 0, next_token, _common.INVALID_TOKEN)
     # "Loose" is measured against the untempered argmax, as docs/rules.md defines ex.
     ex_K = _common.exact_flags(d_K, _common.row_stats(L_RV, _common.padded(d_K), backend, checked=True).argmax, k)
@@ -53,5 +60,5 @@ class Typical(_common.Rule, name="typical", sampling=True):
         check_options(fn, epsilon=self.epsilon, delta=self.delta)
 
     def _row(self, d_K, L_RV, key, q_KV, k, temperature, backend):
-        return typical(d_K, L_RV, key, epsilon=self.epsilon, delta=self.delta, temperature=temperature,
-                       num_draft=k, backend=backend)
+        return decide(d_K, L_RV, k, key, epsilon=self.epsilon, delta=self.delta, temperature=temperature,
+                      backend=backend)
