@@ -156,6 +156,24 @@ def run(params, optimizer, work: pathlib.Path, *, step_fn: Callable, evaluate: C
     return params
 
 
+def step_cost(run_t: Callable, run_d: Callable, target_params, draft_params, rounds: int, context: int) -> dict:
+    """Bytes of parameters and median seconds of one step, draft against target: `run_t` and `run_d`
+    (compiled, each one step, blocking) are timed interleaved (target, draft, target, ...) so that
+    machine load hits both alike."""
+    from specjax.models import quant
+
+    tt, td = [], []
+    for _ in range(rounds):
+        for fn, acc in ((run_t, tt), (run_d, td)):
+            s = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - s)
+    tb, db = quant.param_bytes(target_params), quant.param_bytes(draft_params)
+    return {"target_bytes": tb, "draft_bytes": db, "bytes_ratio": db / tb,
+            "target_step_ms": 1e3 * float(np.median(tt)), "draft_step_ms": 1e3 * float(np.median(td)),
+            "time_ratio": float(np.median(td) / np.median(tt)), "rounds": rounds, "context": context}
+
+
 def agreement_stats(agree, valid, k: int) -> dict:
     """{"agree": share of valid positions where the draft agreed, "tau_at_k": mean over valid
     positions of 1 + the run of agreements starting there, capped at k}: what a round of exact
