@@ -123,6 +123,50 @@ def test_no_intact_checkpoint_refuses_naming_the_directory_to_remove(target, dat
     assert TL.checkpoint_steps(tmp_path / "ckpt") == [4, 2]  # refused: nothing moved
 
 
+def test_a_work_directory_from_before_checksums_is_adopted_after_its_checkpoint_checks(target, data, tmp_path,
+                                                                                         capsys):
+    """No checkpoint has a manifest (an earlier version's work directory): the newest restores into this
+    run's shapes with finite values, so it is adopted with one line and its manifest written; the run
+    ends as the undisturbed one. One that does not restore, or holds NaN, refuses in one line."""
+    whole = _train(target, data, tmp_path / "whole")
+    for name in ("old", "wider", "nan"):
+        assert _train(target, data, tmp_path / name, stop_after=4) is None
+        for step in (2, 4):
+            (tmp_path / name / "ckpt" / str(step) / _files.MANIFEST).unlink()
+    capsys.readouterr()
+    resumed = _train(target, data, tmp_path / "old")
+    err = capsys.readouterr().err
+    assert ("the checkpoint of step 4 has no checksums (made before they were recorded): it restores with this "
+            "run's shapes and its values are finite, so it is adopted and its checksums written now") in err, err
+    assert "resumed from the checkpoint of step 4" in err
+    _same(whole, resumed)
+    _files.check_manifest(tmp_path / "old" / "ckpt" / "8")
+    # another width than the one that made it: refused, naming what to do, nothing moved or written
+    tokens, mask = data
+    cfg = T.draft_config(target.config, T.Arch(48, 1, head_dim=16, kv_heads=1))
+    params, frozen = T.init_draft(target, cfg, 0)
+    with pytest.raises(_paths.RunError) as e:
+        T.train(cfg, params, frozen, tokens, mask, tokens[:2], mask[:2], tmp_path / "wider", steps=8, batch=4,
+                lr=1e-2, warmup=2, weight_decay=0.0, clip=1.0, seed=0, log_every=2, eval_every=100, ckpt_every=2, k=2)
+    ckpt = tmp_path / "wider" / "ckpt"
+    assert str(e.value).startswith(f"cannot restore the checkpoint {ckpt / '4'} (") and str(e.value).endswith(
+        f"(without checksums: an earlier version's; run with the settings that made it, or remove {ckpt} to train "
+        "from the start)") and "\n" not in str(e.value), str(e.value)
+    assert TL.checkpoint_steps(ckpt) == [4, 2] and not (ckpt / "4" / _files.MANIFEST).exists()
+    # a NaN in it (the bytes changed where orbax does not look): refused
+    import orbax.checkpoint as ocp
+
+    ckpt = tmp_path / "nan" / "ckpt"
+    with ocp.CheckpointManager(ckpt.resolve()) as mngr:
+        state = mngr.restore(4)
+        state["train"] = jax.tree.map(lambda x: np.full_like(x, np.nan), state["train"])
+        mngr.save(6, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+    with pytest.raises(_paths.RunError, match=rf"^the checkpoint {ckpt / '6'} holds values that are not finite "
+                                              r"\(without checksums"):
+        _train(target, data, tmp_path / "nan")
+
+
 def test_a_damaged_data_chunk_is_named_and_made_again(target, tmp_path, capsys):
     seqs, plens = T.generate_data(target, MESSAGES, tmp_path, gen_tokens=8, batch=4)
     chunk = tmp_path / "chunk_00001.npz"
