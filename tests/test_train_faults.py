@@ -1,7 +1,8 @@
 """train_draft.py under faults: outputs that cannot be written, a diverged run, damaged checkpoints
-and data, a work directory made with other settings, a failed export, Ctrl-C, and the commands of its
-docstring. Each case asserts one clear line and nothing lost, or a result equal to the undisturbed run.
-All on random:tiny with a handful of steps."""
+and data, a work directory made with other settings or before checksums, a failed export, Ctrl-C.
+(The commands of its docstring run in tests/test_docstring_commands.py.) Each case asserts one clear
+line and nothing lost, or a result equal to the undisturbed run. All on random:tiny with a handful
+of steps."""
 
 from __future__ import annotations
 
@@ -369,28 +370,3 @@ def test_ctrl_c_while_training_says_where_the_run_stands_and_how_to_go_on(env, t
     cmd = rest.split("to go on (or run it again): ")[1].splitlines()[0]
     assert shlex.split(cmd) == ["python", BINARY, *args]
     assert not out.exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
-
-
-def _docstring_commands():
-    doc = T.__doc__
-    return [shlex.split(line.split("#")[0].strip())[2:] for line in doc.splitlines()
-            if line.strip().startswith("python experiments/train_draft.py")]
-
-
-@pytest.mark.heavy
-def test_the_docstrings_commands_run_as_written_at_small_sizes(env, tmp_path):
-    """Each command of the module docstring, its --out in tmp_path, small sizes appended; without a
-    --target it runs on random:tiny at the target's width (the SmolLM2 default width is wider than it)."""
-    commands = _docstring_commands()
-    assert len(commands) == 2
-    procs = []
-    for i, args in enumerate(commands):
-        args = [re.sub(r"^--out=.*", f"--out={tmp_path / f'd{i}'}", a) for a in args]
-        if not any(a.startswith("--target") for a in args):
-            args += ["--target=random:tiny", "--width=0", "--layers=1"]
-        procs.append(_start([*args, *SMALL], env))
-    for i, proc in enumerate(procs):
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        assert f"wrote {tmp_path / f'd{i}'}: loaded back and checked" in err
-        assert models.load(tmp_path / f"d{i}", cache=False).config.num_layers >= 1
