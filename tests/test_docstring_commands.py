@@ -4,7 +4,9 @@ The commands: the docstring lines of every binary in experiments/ that start wit
 experiments/X.py` or `python -m experiments.X` (any binary's, so audit's calibration commands count
 too), with `VAR=value` prefixes, backslash continuations, `# comments` and a trailing `&` (run
 beside the next command) as a shell reads them; a line `VAR=value` alone sets $VAR for the commands
-after it. Each binary's commands run in docstring order, so a command reads what an earlier one wrote.
+after it. The commands run in docstring order (train_draft's and the calibrations' first), one test
+each, in one shared temporary directory, so a command reads what an earlier one wrote; a command
+whose input an earlier one makes is skipped, saying so, when that one did not run.
 
 How the sizes are reduced: the command runs exactly as written with a few size flags appended
 (SMALL below; absl keeps a flag's last value), each appended only where the command's own value is
@@ -16,9 +18,9 @@ command is read by the next); the placeholders of files a user supplies (path/to
 prompts.txt) are given (the SmolLM2 GGUF, a file of two prompts).
 
 Tiers, by what a command needs: random weights only (random:tiny, distributed's tiny, bench_verify
---smoke, bench_kernels) run in CI, but for those over 20 s (SLOW: `heavy`); SmolLM2-135M runs `heavy`; Qwen2.5-
-Coder `qwen`; libtpu `tpu_aot` and `heavy`; llama.cpp is skipped (with the reason) unless
-its binaries are built where the command says."""
+--smoke, bench_kernels) run in CI, but for those over 20 s (SLOW: `heavy`); SmolLM2-135M runs
+`heavy`; Qwen2.5-Coder `qwen`; libtpu `tpu_aot` and `heavy`; llama.cpp is skipped (with the
+reason) unless its binaries are built where the command says."""
 
 from __future__ import annotations
 
@@ -171,10 +173,6 @@ def _case_marks(need, name):
             "llamacpp": [pytest.mark.heavy]}[need]
 
 
-def all_commands() -> list[tuple[str, int, dict]]:
-    return [(name, i, c) for name in BINARIES for i, c in enumerate(commands(name))]
-
-
 class Run:
     """Maps a command's paths into `tmp` and starts it."""
 
@@ -183,9 +181,9 @@ class Run:
         (tmp / "prompts.txt").write_text(PROMPTS)  # generate's --prompts_file prompts.txt
 
     def _path(self, value: str) -> str:
-        for prefix in ("/tmp/", "~/"):
+        for prefix, into in (("/tmp/", "tmp"), ("~/", "home")):
             if value.startswith(prefix):
-                return str(self.tmp / prefix.strip("/~") / value[len(prefix):])
+                return str(self.tmp / into / value[len(prefix):])
         return str(self.tmp / "out" / value.lstrip("/"))
 
     def _value(self, flag: str, value: str, shell_vars: dict) -> str:
