@@ -344,7 +344,8 @@ def workdir(tmp_path_factory):
 def test_the_docstrings_commands_run(name, group, workdir):
     """Each command exits 0 with no traceback; an output it names exists afterwards (a trained draft
     loads)."""
-    results = run_group(groups(name)[group], workdir, timeout=900)
+    g = groups(name)[group]
+    results = run_group(g, workdir, timeout=2400 if _tier(g) == "qwen" else 900)  # two Qwen loads: minutes each
     for argv, status, err in results:
         assert status == 0 and "Traceback" not in err, f"{shlex.join(argv[1:])}\n{err[-4000:]}"
         for flag, value in pairs(argv[2:]):
