@@ -287,7 +287,7 @@ def step_cost(target, draft, rounds: int, context: int = 256) -> dict:
     import jax
     import jax.numpy as jnp
     from specjax.models import feature_draft as FD
-    from specjax.models import llama, quant
+    from specjax.models import llama
 
     import specjax
 
@@ -314,14 +314,4 @@ def step_cost(target, draft, rounds: int, context: int = 256) -> dict:
     run_t = lambda: jax.block_until_ready(f_t(tparams, cache_t))  # noqa: E731
     run_d = lambda: jax.block_until_ready(f_d(dparams, cache_d))  # noqa: E731
     run_t(), run_d()
-    tt, td = [], []
-    for _ in range(rounds):
-        for fn, acc in ((run_t, tt), (run_d, td)):
-            s = time.perf_counter()
-            fn()
-            acc.append(time.perf_counter() - s)
-    tb = quant.param_bytes(target.params)
-    db = quant.param_bytes(draft.params)
-    return {"target_bytes": tb, "draft_bytes": db, "bytes_ratio": db / tb,
-            "target_step_ms": 1e3 * float(np.median(tt)), "draft_step_ms": 1e3 * float(np.median(td)),
-            "time_ratio": float(np.median(td) / np.median(tt)), "rounds": rounds, "context": context}
+    return TL.step_cost(run_t, run_d, target.params, draft.params, rounds, context)

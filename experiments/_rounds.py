@@ -118,6 +118,25 @@ class Forced(NamedTuple):
     regret_Q: np.ndarray  # float32[T]
 
 
+# Where a calibration run stands and where its decoded sequences are cached, for the line Ctrl-C prints.
+_PROGRESS = {"stage": "loading the models", "cached": None}
+
+
+def stage(what: str) -> None:
+    _PROGRESS["stage"] = what
+
+
+def interrupt_status(output: str, cache_dir: str | None) -> str:
+    """Where an interrupted calibration stood and what of it is saved (`output`: what it writes at the end)."""
+    line = f"stopped while {_PROGRESS['stage']}; {output} is written only at the end, so it is not there"
+    if _PROGRESS["cached"]:
+        return line + (f"; the decoded sequences and their teacher forcing are saved in {_PROGRESS['cached']}, "
+                       "which the same command reads back")
+    if cache_dir:
+        return line + "; --cache_dir keeps the decoded sequences once both models are teacher-forced"
+    return line + "; nothing is saved (--cache_dir would keep the decoded sequences)"
+
+
 def _spec_identity(spec: str) -> str:
     """A model spec plus, for a file or directory, its size and mtime (a replaced file is another model)."""
     if os.path.exists(spec):
@@ -144,12 +163,16 @@ def calibration_data(target: models.Model, draft: models.Model, ids: Sequence[Se
                 lens = np.cumsum(z["lengths"])[:-1]
                 parts = [np.split(z[name], lens) for name in Forced._fields]
             C.log(f"read {len(ids)} greedy sequences and their teacher forcing from {path}")
+            _PROGRESS["cached"] = path
             return [Forced(*row) for row in zip(*parts)]
+    stage(f"decoding {len(ids)} prompts greedily with the target")
     C.log(f"{len(ids)} prompts: target greedy decoding ({max_new_tokens} new tokens) ...")
     seqs = greedy_sequences(target, ids, max_new_tokens, batch_size)
-    C.log("teacher forcing both models ...")
     out = []
     for i, seq in enumerate(seqs):
+        stage(f"teacher-forcing both models on the target's greedy sequences ({i}/{len(seqs)} done)")
+        if i == 0:
+            C.log("teacher forcing both models ...")
         t_Q, d_Q, regret_Q = argmax_and_regret(target, draft, seq, bucket)
         out.append(Forced(np.asarray(seq, np.int32), t_Q.astype(np.int32), d_Q.astype(np.int32), regret_Q))
         if (i + 1) % 10 == 0:
@@ -160,5 +183,6 @@ def calibration_data(target: models.Model, draft: models.Model, ids: Sequence[Se
         np.savez(tmp, lengths=np.asarray([len(f.seq) for f in out]),
                  **{name: np.concatenate([getattr(f, name) for f in out]) for name in Forced._fields})
         os.replace(tmp, path)
+        _PROGRESS["cached"] = path
         C.log(f"cached in {path}")
     return out

@@ -37,6 +37,16 @@ def checkpoint_steps(ckpt: pathlib.Path) -> list[int]:
     return sorted((int(p.name) for p in ckpt.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True)
 
 
+def unverified_checkpoint(work: pathlib.Path) -> int | None:
+    """The newest checkpoint step of a work directory whose checkpoints all lack checksum manifests: one
+    made by an earlier version of the trainer, before they were recorded (or whose only save was cut
+    between orbax's commit and the manifest). None when there is no checkpoint or any has a manifest."""
+    steps = checkpoint_steps(work / "ckpt")
+    if steps and not any((work / "ckpt" / str(s) / _files.MANIFEST).exists() for s in steps):
+        return steps[0]
+    return None
+
+
 def usable_checkpoint(work: pathlib.Path) -> int | None:
     """The newest checkpoint step whose files match their manifest (None: no checkpoint). Newer ones
     that do not are moved to work/damaged/ with a line each; when none matches, RunError."""
@@ -81,17 +91,29 @@ def run(params, optimizer, work: pathlib.Path, *, step_fn: Callable, evaluate: C
 
     opt_state = optimizer.init(params)
     ckpt = (work / "ckpt").resolve()
-    step0 = usable_checkpoint(work) or 0
+    # A work directory from before checksums is adopted, not refused (hours of training): its newest
+    # checkpoint must restore into this run's shapes and hold finite values; then its manifest is written.
+    legacy = unverified_checkpoint(work)
+    step0 = legacy or usable_checkpoint(work) or 0
     mngr = ocp.CheckpointManager(ckpt, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
     if step0:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"train": params, "opt": opt_state})
+        unchecked = (" (without checksums: an earlier version's; run with the settings that made it, or remove "
+                     f"{ckpt} to train from the start)") if legacy else f"; remove {ckpt} to train from the start"
         try:
             restored = mngr.restore(step0, args=ocp.args.StandardRestore(abstract))
         except Exception as e:  # noqa: BLE001 (orbax and tensorstore raise many types; one line says it)
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise _paths.RunError(f"cannot restore the checkpoint {ckpt / str(step0)} ({type(e).__name__}: {first}); "
-                                  f"remove {ckpt} to train from the start") from None
+            raise _paths.RunError(f"cannot restore the checkpoint {ckpt / str(step0)} ({type(e).__name__}: "
+                                  f"{first}){unchecked}") from None
         params, opt_state = restored["train"], restored["opt"]
+        if legacy:
+            if not finite({"train": params, "opt": opt_state}):
+                raise _paths.RunError(f"the checkpoint {ckpt / str(step0)} holds values that are not finite"
+                                      f"{unchecked}")
+            _files.write_manifest(ckpt / str(step0))
+            C.log(f"the checkpoint of step {step0} has no checksums (made before they were recorded): it restores "
+                  f"with this run's shapes and its values are finite, so it is adopted and its checksums written now")
         C.log(f"resumed from the checkpoint of step {step0}")
     state = {"step": step0, "saved": step0}
     _paths.set_status(lambda: f"training stopped at step {state['step']}/{steps}; " + (
@@ -154,6 +176,24 @@ def run(params, optimizer, work: pathlib.Path, *, step_fn: Callable, evaluate: C
     if not finite(params):
         diverged(steps, "the parameters are not finite")
     return params
+
+
+def step_cost(run_t: Callable, run_d: Callable, target_params, draft_params, rounds: int, context: int) -> dict:
+    """Bytes of parameters and median seconds of one step, draft against target: `run_t` and `run_d`
+    (compiled, each one step, blocking) are timed interleaved (target, draft, target, ...) so that
+    machine load hits both alike."""
+    from specjax.models import quant
+
+    tt, td = [], []
+    for _ in range(rounds):
+        for fn, acc in ((run_t, tt), (run_d, td)):
+            s = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - s)
+    tb, db = quant.param_bytes(target_params), quant.param_bytes(draft_params)
+    return {"target_bytes": tb, "draft_bytes": db, "bytes_ratio": db / tb,
+            "target_step_ms": 1e3 * float(np.median(tt)), "draft_step_ms": 1e3 * float(np.median(td)),
+            "time_ratio": float(np.median(td) / np.median(tt)), "rounds": rounds, "context": context}
 
 
 def agreement_stats(agree, valid, k: int) -> dict:

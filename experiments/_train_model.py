@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import json
 import pathlib
-import time
 
 import numpy as np
 from absl import app
@@ -228,7 +227,7 @@ def step_cost(target, draft_cfg, draft_params, rounds: int, context: int = 256) 
 
     import jax
     import jax.numpy as jnp
-    from specjax.models import llama, quant
+    from specjax.models import llama
 
     def stepper(cfg, params, dtype):
         cache = llama.init_cache(cfg, 1, context + 8, dtype)._replace(lengths=jnp.full((1,), context, jnp.int32))
@@ -239,13 +238,4 @@ def step_cost(target, draft_cfg, draft_params, rounds: int, context: int = 256) 
 
     run_t = stepper(target.config, target.params, target.dtype)
     run_d = stepper(draft_cfg, jax.tree.map(jnp.asarray, draft_params), jnp.float32)
-    tt, td = [], []
-    for _ in range(rounds):
-        for fn, acc in ((run_t, tt), (run_d, td)):
-            s = time.perf_counter()
-            fn()
-            acc.append(time.perf_counter() - s)
-    tb, db = quant.param_bytes(target.params), quant.param_bytes(draft_params)
-    return {"target_bytes": tb, "draft_bytes": db, "bytes_ratio": db / tb,
-            "target_step_ms": 1e3 * float(np.median(tt)), "draft_step_ms": 1e3 * float(np.median(td)),
-            "time_ratio": float(np.median(td) / np.median(tt)), "rounds": rounds, "context": context}
+    return TL.step_cost(run_t, run_d, target.params, draft_params, rounds, context)

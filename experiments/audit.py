@@ -2,7 +2,8 @@ r"""Quality audit of every method against target-only greedy decoding: batched a
 
     python experiments/audit.py --output_dir /tmp/audit_smollm2 --humaneval_problems 0   # SmolLM2, MT-Bench
     python experiments/audit.py --model qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
-        --mtbench_questions 0 --csd_memory CSD_DIR --asd_calibration ASD_JSON --output_dir DIR
+        --mtbench_questions 0 --csd_memory experiments/results/calibration_qwen_mtbench/csd_qwen \
+        --asd_calibration experiments/results/calibration_qwen_mtbench/asd_qwen.json --output_dir /tmp/audit_qwen
 
 Methods are given as specs, `--method NAME[:option=value,...]` (repeat the flag):
 `exact`, `fly:theta=0.3,window=6`, `asd:budget=8,gate=0.25`, `csd:min_count=6`; the keys
@@ -72,10 +73,11 @@ batches.jsonl keeps the wall time of every (batch, method) for the cost table.
 
 Compressing a finished run (what experiments/results/ keeps in git):
 
-    python -m experiments.audit --output_dir DIR --compress
+    python -m experiments.audit --output_dir /tmp/audit_smollm2 --compress
 
-folds every X.jsonl into X.jsonl.gz (byte for byte: the tables a rerun writes are the same) and
-audit.json into audit.json.gz, and loads no model. A later run in DIR (a resume, more methods or
+folds a finished run's directory DIR (here the first example's) in place: every X.jsonl into
+X.jsonl.gz (byte for byte: the tables a rerun writes are the same) and audit.json into
+audit.json.gz; it loads no model. A later run in DIR (a resume, more methods or
 problems) reads the .gz files, appends new lines to plain X.jsonl beside them and writes its record
 as audit.json.gz; compress again to fold the new lines in. --reuse_from DIR reads them too.
 

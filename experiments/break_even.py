@@ -11,7 +11,9 @@ break-even agreement and the agreement for a target speedup, against the agreeme
 draft reaches (run benchmark.py for its tau).
 
     python experiments/break_even.py                                   # SmolLM2, MT-Bench 0-7, free draft
-    python experiments/break_even.py --cost_of=none,DRAFT_DIR --k=1,2,4 --agreement=1,0.9,0.8,0.6,0.4
+    python experiments/break_even.py --cost_of=none,pld,/tmp/smollm2-draft --k=1,2,4 --agreement=1,0.9,0.8,0.6,0.4
+
+(/tmp/smollm2-draft: a draft from train_draft.py's first example; any draft spec will do.)
 
 Configurations are interleaved prompt by prompt between two target-only runs (as benchmark.py);
 tokens/s are totals over the prompts, speedups against the mean of the baselines. The scripted

@@ -3,7 +3,8 @@ r"""ASD's published calibration of the regret budget and gate.
     python experiments/calibrate_asd.py --model qwen2.5-coder-1.5b-instruct \
         --draft qwen2.5-coder-0.5b-instruct --dataset humaneval --num_prompts 40 --k 8 \
         --output /tmp/asd_calibration.json
-    python experiments/generate.py ... --method asd --asd_calibration /tmp/asd_calibration.json
+    python experiments/generate.py --model qwen2.5-coder-1.5b-instruct \
+        --draft qwen2.5-coder-0.5b-instruct --method asd --asd_calibration /tmp/asd_calibration.json
 
 Procedure (as published): exact speculative decoding with K drafts on the
 calibration prompts; in each block whose first mismatch b satisfies b < K and
@@ -53,8 +54,7 @@ def main(argv):
     C.check_output("output", _OUTPUT.value); C.check_output("cache_dir", FLAGS.cache_dir, dir=True)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    _paths.set_status(lambda: "nothing was saved: the calibration is written only at the end, so the same command "
-                              "starts again")
+    _paths.set_status(lambda: R.interrupt_status(f"the calibration {_OUTPUT.value}", FLAGS.cache_dir))
     C.validate_calibration_source_flags()
     if _K.value <= 0:
         raise app.UsageError(f"--k must be positive, got {_K.value}")
@@ -102,7 +102,9 @@ def main(argv):
                      "r_b / ((K - b) / K); budget = gate = percentile (linear); block_cap = 1; suffix fraction",
         "seconds": time.perf_counter() - start, "machine": C.machine(),
     }
+    R.stage("computing the percentile")
     if _CROSSCHECK.value:
+        R.stage("running the crosscheck (--crosscheck) in the engine")
         result["crosscheck"] = crosscheck(target, ids, [f.seq.tolist() for f in forced], rounds_per_request)
     result["values"] = [float(x) for x in v]
     with C.atomic_open(_OUTPUT.value, "w", encoding="utf-8") as f:

@@ -3,7 +3,8 @@ r"""Builds CSD's correction memory offline from unlabeled prompts, and saves it 
     python experiments/calibrate_csd.py --model qwen2.5-coder-1.5b-instruct \
         --draft qwen2.5-coder-0.5b-instruct --dataset humaneval --num_prompts 40 \
         --output /tmp/csd_memory --eval_prompts 10
-    python experiments/generate.py ... --method csd --csd_memory /tmp/csd_memory
+    python experiments/generate.py --model qwen2.5-coder-1.5b-instruct \
+        --draft qwen2.5-coder-0.5b-instruct --method csd --csd_memory /tmp/csd_memory
 
 Procedure: the target decodes every prompt greedily (natural EOS end); then both
 models are teacher-forced on each prompt + continuation (`Model.logits`, one
@@ -83,8 +84,7 @@ def main(argv):
     C.check_output("output", _OUTPUT.value, dir=True); C.check_output("cache_dir", FLAGS.cache_dir, dir=True)  # before any work
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    _paths.set_status(lambda: "nothing was saved: the memory is written only at the end, so the same command "
-                              "starts again")
+    _paths.set_status(lambda: R.interrupt_status(f"the memory {_OUTPUT.value}", FLAGS.cache_dir))
     _validate()
     logging.set_verbosity(logging.WARNING)
     start = time.perf_counter()
@@ -104,6 +104,7 @@ def main(argv):
     forced = R.calibration_data(target, draft, ids, target_spec=FLAGS.model, draft_spec=FLAGS.draft,
                                 max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size,
                                 bucket=FLAGS.bucket, cache_dir=FLAGS.cache_dir)
+    R.stage("counting the pairs")
     pairs, counts, summary = count_pairs(forced, [len(p) for p in ids], _POSITIONS.value, _K.value)
     if len(pairs) > _CAPACITY.value:
         keep = np.argsort(-counts, kind="stable")[: _CAPACITY.value]
@@ -127,6 +128,9 @@ def main(argv):
     for p in top[:10]:
         print(f"  {p['count']:6d}  draft {p['draft']!r:>14} -> target {p['target']!r}")
     if held_out:
+        _paths.set_status(lambda: f"the memory is saved, complete, in {path}; stopped during the held-out evaluation "
+                                  f"(--eval_prompts {_EVAL.value}), which only prints its table and adds it to "
+                                  f"{path / 'calibration.json'}: run again for it")
         meta["eval"] = evaluate(target, held_out, str(path))
         C.write_text(path / "calibration.json", json.dumps(C.jsonable(meta), indent=1))
 

@@ -221,6 +221,36 @@ def test_ctrl_c_during_generation_exits_promptly_with_nothing_half_written(env, 
     assert os.listdir(tmp_path) == []  # no output, no temporary
 
 
+@pytest.mark.heavy  # two binaries through data generation: about 40 s of CPU
+def test_ctrl_c_in_the_calibrations_says_where_they_stand_and_how_to_go_on(env, tmp_path):
+    """calibrate_asd stopped while teacher-forcing (nothing saved, --cache_dir not given), calibrate_csd
+    stopped in its held-out evaluation (the memory is saved by then): each says so in its own words,
+    gives the command that continues, exits 130 with no traceback, and leaves no temporary behind."""
+    import shlex
+
+    from _interrupt import interrupt_when
+
+    common = ["--model", "random:tiny", "--draft", "random:tiny:1", "--max_new_tokens", "48", "--num_prompts", "3"]
+    runs = {"calibrate_asd": ([*common, "--output", str(tmp_path / "asd.json")], "teacher forcing both models"),
+            "calibrate_csd": ([*common, "--output", str(tmp_path / "mem"), "--eval_prompts", "1",
+                               "--cache_dir", str(tmp_path / "cache")], "eval exact: compiled")}
+    procs = {name: subprocess.Popen([sys.executable, str(EXP / f"{name}.py"), *args], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, cwd=ROOT, preexec_fn=_interruptible)
+             for name, (args, _) in runs.items()}
+    rest = {name: interrupt_when(procs[name], marker, timeout=120) for name, (_, marker) in runs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 130 and "Traceback" not in rest[name], (name, rest[name][-2000:])
+        cmd = rest[name].split("to go on (or run it again): ")[1].splitlines()[0]
+        assert shlex.split(cmd) == ["python", str(EXP / f"{name}.py"), *runs[name][0]], cmd
+    assert (f"stopped while teacher-forcing both models on the target's greedy sequences (0/3 done); the calibration "
+            f"{tmp_path / 'asd.json'} is written only at the end, so it is not there; nothing is saved") in rest[
+        "calibrate_asd"], rest["calibrate_asd"]
+    assert f"the memory is saved, complete, in {tmp_path / 'mem'}; stopped during the held-out evaluation" in rest[
+        "calibrate_csd"], rest["calibrate_csd"]
+    assert sorted(os.listdir(tmp_path)) == ["cache", "mem"] and len(os.listdir(tmp_path / "cache")) == 1
+    assert not [p for p in os.listdir(tmp_path / "mem") if p.startswith(".")]
+
+
 # --- files that are not what they claim -----------------------------------------------------------
 
 

@@ -226,8 +226,8 @@ def test_config_json_without_a_key_or_at_odds_with_the_weights_is_named(edit, me
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(LoadError, match=message) as e:
         models.load(src, cache=False)
-    # the file at fault: config.json for its own fields, the directory for weights it disagrees with
-    where = src / "config.json" if "field" in message else src
+    # the file at fault: config.json for its own fields, the weights' file for weights it disagrees with
+    where = src / "config.json" if "field" in message else src / "model.safetensors"
     _one_line_naming(e, where)
 
 
@@ -255,7 +255,7 @@ def test_missing_tensor_and_index_are_named(tmp_path):
     save_file(tensors, str(src / "model.safetensors"))
     with pytest.raises(LoadError, match="missing tensor 'model.layers.0.mlp.up_proj.weight'") as e:
         models.load(src, cache=False)
-    _one_line_naming(e, src)
+    _one_line_naming(e, src / "model.safetensors")
     assert isinstance(e.value, KeyError) and isinstance(e.value, models.MissingTensorError)
     sharded = tmp_path / "s"
     write_hf(sharded, shape=SMALL, max_shard_bytes=20_000)
@@ -263,6 +263,43 @@ def test_missing_tensor_and_index_are_named(tmp_path):
     with pytest.raises(LoadError, match="not valid JSON") as e:
         models.load(sharded, cache=False)
     _one_line_naming(e, sharded / "model.safetensors.index.json")
+
+
+def _rename_in_place(path: pathlib.Path, old: str, new: str) -> None:
+    """A tensor renamed in the file's header (a hand edit: same length, so nothing else moves)."""
+    assert len(old) == len(new)
+    data = path.read_bytes()
+    assert data.count(old.encode()) == 1
+    path.write_bytes(data.replace(old.encode(), new.encode()))
+
+
+def test_a_renamed_tensor_names_the_file_the_tensor_expected_and_the_name_beside_it(tmp_path):
+    src = _hf(tmp_path / "m")
+    _rename_in_place(src / "model.safetensors", "layers.0.mlp.up_proj", "layers.0.mlp.up_prok")
+    with pytest.raises(models.MissingTensorError) as e:
+        models.load(src, cache=False)
+    _one_line_naming(e, src / "model.safetensors")
+    assert str(e.value).endswith(": missing tensor 'model.layers.0.mlp.up_proj.weight', which the config needs; "
+                                 "nearest in the file: 'model.layers.0.mlp.up_prok.weight'"), str(e.value)
+    # sharded: the index lists the tensors, so the index is named
+    sharded = tmp_path / "s"
+    write_hf(sharded, shape=SMALL, max_shard_bytes=20_000)
+    _rename_in_place(sharded / "model.safetensors.index.json", "layers.0.mlp.up_proj", "layers.0.mlp.up_prok")
+    with pytest.raises(models.MissingTensorError, match="nearest in the file: 'model.layers.0.mlp.up_prok") as e:
+        models.load(sharded, cache=False)
+    _one_line_naming(e, sharded / "model.safetensors.index.json")
+    # GGUF: the file's own names; a tensor moved to a layer the config lacks, or renamed to nothing known
+    gguf = write_gguf(tmp_path / "m.gguf", shape=GGUF_SMALL)
+    _rename_in_place(gguf, "blk.0.ffn_up.weight", "blk.7.ffn_up.weight")
+    with pytest.raises(models.MissingTensorError) as e:
+        models.load(gguf, cache=False)
+    _one_line_naming(e, gguf)
+    assert "missing tensor 'model.layers.0.mlp.up_proj.weight', which the config needs; nearest in the file: " \
+           "'blk.7.ffn_up.weight'" in str(e.value), str(e.value)
+    _rename_in_place(gguf, "blk.7.ffn_up.weight", "blk.0.ffn_upX.weigh")
+    with pytest.raises(LoadError, match="unsupported tensor 'blk.0.ffn_upX.weigh'") as e:
+        models.load(gguf, cache=False)
+    _one_line_naming(e, gguf)
 
 
 def test_damaged_gguf_files_are_named(tmp_path):

@@ -187,6 +187,23 @@ def test_feature_draft_loss_falls_resumes_and_runs_in_an_engine(target, data, tm
     assert specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=16).generate(prompts).tokens == ref
 
 
+def test_step_cost_of_a_model_draft_and_of_a_feature_draft(target):
+    """Both trainers' step costs (one interleaved timing loop): bytes of each side's parameters and a
+    positive median time per step."""
+    from experiments import _feature_distill as F
+    from specjax.models import feature_draft
+
+    cfg = T.draft_config(target.config, T.Arch(32, 1, head_dim=16, kv_heads=1))
+    train, frozen = T.init_draft(target, cfg, 0)
+    ids = np.arange(96, dtype=np.int32)
+    fd = feature_draft.FeatureDraft(feature_draft.layer_config(target.config),
+                                    feature_draft.init_params(target.config, target.params, ids, 0), ids, "fd")
+    for cost in (T.step_cost(target, cfg, {**frozen, **train}, 3, context=16), F.step_cost(target, fd, 3, context=16)):
+        assert cost["rounds"] == 3 and cost["context"] == 16 and 0 < cost["draft_bytes"] < cost["target_bytes"]
+        assert cost["target_step_ms"] > 0 and cost["draft_step_ms"] > 0
+        assert cost["time_ratio"] == pytest.approx(cost["draft_step_ms"] / cost["target_step_ms"])
+
+
 def test_soft_labels_are_the_targets_own_distribution_and_training_on_them_learns(target, data, tmp_path):
     from experiments import _feature_distill as F
     from specjax.models import feature_draft

@@ -1,7 +1,8 @@
 """train_draft.py under faults: outputs that cannot be written, a diverged run, damaged checkpoints
-and data, a work directory made with other settings, a failed export, Ctrl-C, and the commands of its
-docstring. Each case asserts one clear line and nothing lost, or a result equal to the undisturbed run.
-All on random:tiny with a handful of steps."""
+and data, a work directory made with other settings or before checksums, a failed export, Ctrl-C.
+(The commands of its docstring run in tests/test_docstring_commands.py.) Each case asserts one clear
+line and nothing lost, or a result equal to the undisturbed run. All on random:tiny with a handful
+of steps."""
 
 from __future__ import annotations
 
@@ -121,6 +122,50 @@ def test_no_intact_checkpoint_refuses_naming_the_directory_to_remove(target, dat
                                               rf"{tmp_path / 'ckpt'} to train from the start"):
         _train(target, data, tmp_path)
     assert TL.checkpoint_steps(tmp_path / "ckpt") == [4, 2]  # refused: nothing moved
+
+
+def test_a_work_directory_from_before_checksums_is_adopted_after_its_checkpoint_checks(target, data, tmp_path,
+                                                                                         capsys):
+    """No checkpoint has a manifest (an earlier version's work directory): the newest restores into this
+    run's shapes with finite values, so it is adopted with one line and its manifest written; the run
+    ends as the undisturbed one. One that does not restore, or holds NaN, refuses in one line."""
+    whole = _train(target, data, tmp_path / "whole")
+    for name in ("old", "wider", "nan"):
+        assert _train(target, data, tmp_path / name, stop_after=4) is None
+        for step in (2, 4):
+            (tmp_path / name / "ckpt" / str(step) / _files.MANIFEST).unlink()
+    capsys.readouterr()
+    resumed = _train(target, data, tmp_path / "old")
+    err = capsys.readouterr().err
+    assert ("the checkpoint of step 4 has no checksums (made before they were recorded): it restores with this "
+            "run's shapes and its values are finite, so it is adopted and its checksums written now") in err, err
+    assert "resumed from the checkpoint of step 4" in err
+    _same(whole, resumed)
+    _files.check_manifest(tmp_path / "old" / "ckpt" / "8")
+    # another width than the one that made it: refused, naming what to do, nothing moved or written
+    tokens, mask = data
+    cfg = T.draft_config(target.config, T.Arch(48, 1, head_dim=16, kv_heads=1))
+    params, frozen = T.init_draft(target, cfg, 0)
+    with pytest.raises(_paths.RunError) as e:
+        T.train(cfg, params, frozen, tokens, mask, tokens[:2], mask[:2], tmp_path / "wider", steps=8, batch=4,
+                lr=1e-2, warmup=2, weight_decay=0.0, clip=1.0, seed=0, log_every=2, eval_every=100, ckpt_every=2, k=2)
+    ckpt = tmp_path / "wider" / "ckpt"
+    assert str(e.value).startswith(f"cannot restore the checkpoint {ckpt / '4'} (") and str(e.value).endswith(
+        f"(without checksums: an earlier version's; run with the settings that made it, or remove {ckpt} to train "
+        "from the start)") and "\n" not in str(e.value), str(e.value)
+    assert TL.checkpoint_steps(ckpt) == [4, 2] and not (ckpt / "4" / _files.MANIFEST).exists()
+    # a NaN in it (the bytes changed where orbax does not look): refused
+    import orbax.checkpoint as ocp
+
+    ckpt = tmp_path / "nan" / "ckpt"
+    with ocp.CheckpointManager(ckpt.resolve()) as mngr:
+        state = mngr.restore(4)
+        state["train"] = jax.tree.map(lambda x: np.full_like(x, np.nan), state["train"])
+        mngr.save(6, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+    with pytest.raises(_paths.RunError, match=rf"^the checkpoint {ckpt / '6'} holds values that are not finite "
+                                              r"\(without checksums"):
+        _train(target, data, tmp_path / "nan")
 
 
 def test_a_damaged_data_chunk_is_named_and_made_again(target, tmp_path, capsys):
@@ -325,28 +370,3 @@ def test_ctrl_c_while_training_says_where_the_run_stands_and_how_to_go_on(env, t
     cmd = rest.split("to go on (or run it again): ")[1].splitlines()[0]
     assert shlex.split(cmd) == ["python", BINARY, *args]
     assert not out.exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
-
-
-def _docstring_commands():
-    doc = T.__doc__
-    return [shlex.split(line.split("#")[0].strip())[2:] for line in doc.splitlines()
-            if line.strip().startswith("python experiments/train_draft.py")]
-
-
-@pytest.mark.heavy
-def test_the_docstrings_commands_run_as_written_at_small_sizes(env, tmp_path):
-    """Each command of the module docstring, its --out in tmp_path, small sizes appended; without a
-    --target it runs on random:tiny at the target's width (the SmolLM2 default width is wider than it)."""
-    commands = _docstring_commands()
-    assert len(commands) == 2
-    procs = []
-    for i, args in enumerate(commands):
-        args = [re.sub(r"^--out=.*", f"--out={tmp_path / f'd{i}'}", a) for a in args]
-        if not any(a.startswith("--target") for a in args):
-            args += ["--target=random:tiny", "--width=0", "--layers=1"]
-        procs.append(_start([*args, *SMALL], env))
-    for i, proc in enumerate(procs):
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        assert f"wrote {tmp_path / f'd{i}'}: loaded back and checked" in err
-        assert models.load(tmp_path / f"d{i}", cache=False).config.num_layers >= 1

@@ -205,24 +205,41 @@ def expected_tensors(c: Config) -> list[str]:
     return names
 
 
+def missing_tensor(source, name: str, present: dict[str, str], c: Config) -> MissingTensorError:
+    """A tensor the config needs that the file `source` lacks, with the file's names nearest to it
+    among those the config does not use (`present`: our name -> the file's own, e.g. a GGUF's
+    blk.0.ffn_up.weight): a renamed or misnumbered tensor shows up beside the one expected."""
+    import difflib
+
+    used = set(expected_tensors(c))
+    near = difflib.get_close_matches(name, [n for n in present if n not in used], n=3, cutoff=0.8)
+    hint = f"; nearest in the file: {', '.join(repr(present[n]) for n in near)}" if near else ""
+    return MissingTensorError(source, f"missing tensor {name!r}, which the config needs{hint}")
+
+
 def shape_error(source: str, name: str, got, want) -> CheckpointError:
     return CheckpointError(source, f"tensor {name!r} has shape {tuple(got)}, expected {tuple(want)} from the "
                                    "config: the weights and config.json (or the GGUF metadata) disagree")
 
 
-def build_params(c: Config, get: Callable[[str], Any], source: str) -> dict:
+def build_params(c: Config, get: Callable[[str], Any], source: str | Callable[[str], str]) -> dict:
     """Our parameter tree from a `get(hf_name)` accessor returning an array in transformers'
-    layout, or `quant.RawBlocks` for a block-quantized GGUF tensor (kept quantized)."""
+    layout, or `quant.RawBlocks` for a block-quantized GGUF tensor (kept quantized). `source`:
+    the file errors name, or a function of the tensor's name giving it (a sharded checkpoint).
+    `get` raises KeyError for a missing tensor, or its own MissingTensorError."""
+    where = source if callable(source) else (lambda name: source)
 
     def fetch(name, shape):
         try:
             x = get(name)
+        except MissingTensorError:
+            raise
         except KeyError:
-            raise MissingTensorError(source, f"missing tensor {name!r}") from None
+            raise MissingTensorError(where(name), f"missing tensor {name!r}") from None
         if not isinstance(x, quant.RawBlocks):
             x = np.asarray(x, np.float32)
         if tuple(x.shape) != shape:
-            raise shape_error(source, name, x.shape, shape)
+            raise shape_error(where(name), name, x.shape, shape)
         return x
 
     def make(leaf: Leaf):
@@ -337,7 +354,9 @@ def load_gguf(path: str | pathlib.Path, *, keep_quantized: bool = True, reader=N
         return w
 
     def checked(name):
-        t = by_hf[name]  # KeyError: a missing tensor, named by build_params
+        if name not in by_hf:
+            raise missing_tensor(path, name, {hf: t.name for hf, t in by_hf.items()}, c)
+        t = by_hf[name]
         try:
             w = get(name)
         except CheckpointError:
@@ -401,10 +420,16 @@ def load_hf_dir(path: str | pathlib.Path):
     c = config_from_json(cfg_file)
     weight_map = safetensors_weight_map(path)
     handles = {}
+    # where a tensor is, or would be: its shard, else the file that lists the tensors
+    listing = path / ("model.safetensors.index.json" if (path / "model.safetensors.index.json").is_file()
+                      else "model.safetensors")
+
+    def where(name):
+        return str(path / weight_map[name]) if name in weight_map else str(listing)
 
     def get(name):
         if name not in weight_map:
-            raise KeyError(name)
+            raise missing_tensor(listing, name, {n: n for n in weight_map}, c)
         shard = weight_map[name]
         if shard not in handles:
             # framework="flax" reads bfloat16 too (numpy has no bfloat16).
@@ -414,7 +439,7 @@ def load_hf_dir(path: str | pathlib.Path):
         except Exception as e:  # an unreadable tensor (dtype, data): name the file and the tensor
             raise CheckpointError(path / shard, f"tensor {name!r} is unreadable ({type(e).__name__}: {e})") from e
 
-    params = build_params(c, lambda name: check_tensor(name, get(name), str(path / weight_map[name])), str(path))
+    params = build_params(c, lambda name: check_tensor(name, get(name), where(name)), where)
     if c.tie_embeddings:
         weight_map.pop("lm_head.weight", None)  # some exports write the tied head anyway
     unknown = sorted(set(weight_map) - set(expected_tensors(c)) - {"lm_head.weight"})
