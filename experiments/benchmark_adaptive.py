@@ -12,7 +12,7 @@ profile (experiments/results/device_h200_engine.md).
 
     python experiments/benchmark_adaptive.py --output_dir /tmp/adaptive          # Qwen 1.5B + 0.5B draft, 8+8 prompts
     python experiments/benchmark_adaptive.py --quick --output_dir /tmp/adaptive_q # SmolLM2 with prompt lookup
-    python experiments/benchmark_adaptive.py --quick --noadaptive --num_humaneval 4 --num_mtbench 4 ...
+    python experiments/benchmark_adaptive.py --quick --noadaptive --num_humaneval 4 --num_mtbench 4 --output_dir /tmp/adaptive_q4
 """
 
 from __future__ import annotations

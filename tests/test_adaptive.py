@@ -42,7 +42,8 @@ def baseline(target):
     return specjax.Engine(target, max_new_tokens=NEW).generate(PROMPTS).tokens
 
 
-@pytest.mark.parametrize("kind", ["pld", "model", "pld+model"])
+@pytest.mark.parametrize("kind", [pytest.param("pld", marks=pytest.mark.heavy), "model",
+                                  pytest.param("pld+model", marks=pytest.mark.heavy)])  # CI: the model draft
 def test_exact_is_target_only_on_a_ragged_batch(target, draft, baseline, kind):
     spec = {"pld": "pld", "model": draft, "pld+model": ("pld", draft)}[kind]
     out = specjax.Engine(target, draft=spec, method="exact", k=K, max_new_tokens=NEW, costs=MIDDLE).generate(PROMPTS)
@@ -68,6 +69,7 @@ def test_widths_follow_the_cost_table(target, baseline):
     assert out.stats["tau"] < 1.5
 
 
+@pytest.mark.heavy  # about 20 s on CI
 def test_loose_rule_with_flat_costs_is_the_fixed_k_loop(target, draft):
     # flat costs: the policy never cuts a proposal, so a loose rule sees what the fixed-K loop shows it
     for spec in ("pld", draft):

@@ -147,7 +147,7 @@ def test_benchmark_adaptive_table_medians_best_fixed_k_and_verdicts():
     text = B.table(list(summary.values()), lambda k, model_draft: B.cost_table(verify_s=(1.0,) * (k + 1)))
     row = "| exact | pld | 4 | adaptive | 3 | 1.40x | 2.00 | 4 (1.50x) | **no** | yes | 1: 9, 2: 6, 5: 15 | - |"
     assert row in text
-    assert "| exact | pld | 4 | fixed | 3 | 1.50x | 2.00 | 4 (1.50x) | - | - | - | 4 (1.80x) |" in text
+    assert "| exact | pld | 4 | fixed | 3 | 1.50x | 2.00 | 4 (1.50x) | - | - | - | 5 (1.80x) |" in text  # width = drafts + 1
 
 
 def test_benchmark_adaptive_refuses_bad_flags(tmp_path):

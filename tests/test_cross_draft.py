@@ -129,6 +129,7 @@ def test_same_vocabulary_drafts_stay_model_drafters(pair):
     assert isinstance(drafters.from_spec(("pld", same), target, 3)[0], drafters.MultiLevel)
 
 
+@pytest.mark.heavy  # about 15 s on CI
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 def test_on_a_mesh_the_same_tokens(pair, prompts):
     target, draft = pair

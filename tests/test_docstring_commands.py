@@ -48,6 +48,8 @@ SMALL: dict[str, dict[str, object]] = {
     "bench_decode": {"max_new_tokens": 4, "reps": 1},
     "bench_kernels": {"vocab": ["1000"], "batch": ["1"], "iters": 1, "reps": 1, "warmup": 0},
     "bench_matmul": {"reps": 1, "cache_len": 64, "context": 16},
+    "bench_load": {"repeats": 1},
+    "benchmark_adaptive": {"num_humaneval": 1, "num_mtbench": 1, "max_new_tokens": 4},
     "bench_verify": {"batch": ["1"], "k": ["4"], "vocab": ["1000"], "base": ["1", "4", "1000"], "reps": 1,
                      "min_time": 0.001, "cache_len": 64, "context": 16},
     "benchmark": {"num_prompts": 1, "max_new_tokens": 8},

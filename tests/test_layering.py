@@ -191,8 +191,13 @@ def prompt_path(draft="pld", method="fly", run=True, **engine_options) -> dict[s
 
     tiny = Config(vocab_size=61, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                   num_kv_heads=1, head_dim=8, rope_theta=500.0)
+    # the cost table given, as it is once measured (costs.py measures a machine once and keeps it on
+    # disk; that one-time measurement is not a prompt's path)
+    from specjax.costs import CostTable
+
+    costs = CostTable(verify_s=(1.0, 1.2), draft_step_s=0.0, platform="cpu", source="test")
     engine = specjax.Engine(random_model(tiny, seed=3), draft=draft, method=method, k=1, max_new_tokens=4,
-                            **engine_options)
+                            **{"costs": costs, **engine_options})
     root = str(ROOT) + "/"
     seen = collections.defaultdict(set)
 

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from _distributed import load_distributed  # noqa: E402
 
 import specjax
+from specjax.costs import CostTable
 from specjax import aot, models, sharding, verify
 from specjax.models import Config, Model, quant
 
@@ -179,8 +180,12 @@ _single = {}
 
 def _run(wide, rule, drafter, mesh_config=None):
     target, draft_model = wide
+    # one cost table for both engines, so the adaptive loop chooses the same widths on the mesh as
+    # on one device (each engine would otherwise time its own)
+    costs = CostTable(verify_s=(1.0, 1.1, 1.2), draft_step_s=0.05, platform="cpu", source="test")
     engine = specjax.Engine(target, draft=draft_model if drafter == "model" else "pld", method=rule, k=2,
-                            max_new_tokens=6, eos_ids=(), mesh=mesh_config, temperature=1.0 if rule == "sampling" else 0.0)
+                            max_new_tokens=6, eos_ids=(), mesh=mesh_config, costs=costs,
+                            temperature=1.0 if rule == "sampling" else 0.0)
     return engine.generate(PROMPTS), engine
 
 
