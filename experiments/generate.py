@@ -43,7 +43,9 @@ _METHOD = flags.DEFINE_enum("method", "fly", list(verify.METHODS),
                             "Verification rule (greedy = exact); loose rules need a draft.")
 _COMPARE = flags.DEFINE_boolean("compare", True, "With a draft, also run target-only decoding on the same prompts "
                                 "and print both speeds (each program compiled before anything is timed).")
-_K = flags.DEFINE_integer("k", 8, "Draft tokens per round.")
+_K = flags.DEFINE_integer("k", 8, "Draft tokens per round (the most, with --adaptive).")
+_ADAPTIVE = flags.DEFINE_boolean("adaptive", True, "Choose the verified width each round from what a round "
+                                 "costs here (Engine(adaptive=...)); --noadaptive: always K.")
 _REPEATS = flags.DEFINE_integer("timing_repeats", 3, "With --compare: the method and target-only each run this "
                                 "many times, alternating, and their median times are compared (a shared "
                                 "machine's speed wanders from one run to the next).")
@@ -117,8 +119,9 @@ def main(argv):
     options = C.apply_calibration(method, C.rule_options_from_flags(), target.config.vocab_size, _K.value)
     extra = {"eos_ids": ()} if _IGNORE_EOS.value else {}
     common = dict(temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value, matmul=_MATMUL.value, **extra)
+    adapt = {"adaptive": _ADAPTIVE.value} if draft is not None else {}
     engine = C.make_engine(target, draft, method, _K.value, _MAX_NEW.value, pld_match=_PLD_MATCH.value, **common,
-                           **options)
+                           **adapt, **options)
     baseline = None
     if draft is not None and _COMPARE.value:
         baseline = C.make_engine(target, None, "greedy", _K.value, _MAX_NEW.value,
@@ -128,7 +131,7 @@ def main(argv):
     batches = C.chunks(ids, _BATCH.value)
     widths = sorted({engine.prompt_width(batch) for batch in batches})
     say(f"{len(ids)} prompt(s), {_MAX_NEW.value} new tokens each, method {method}, draft {_DRAFT.value}"
-        + (f", k {_K.value}" if draft is not None else ""))
+        + (f", k {_K.value}" + (" (adaptive)" if _ADAPTIVE.value else "") if draft is not None else ""))
     programs = len(widths) * (2 if baseline is not None else 1)
     say(f"compiling {programs} generation program(s): prompt width(s) {widths}"
         + (", for the method and for target-only decoding" if baseline is not None else "")

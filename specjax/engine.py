@@ -3,7 +3,8 @@
 The program itself (prefill + one while_loop of draft, score, verify, commit)
 is in `loop.py`; drafters in `drafters.py`; rules in `verify`. This module
 turns the public arguments into those static pieces, catches bad input before
-compiling, and turns the program's arrays into tokens and statistics.
+compiling, and turns the program's arrays into tokens and statistics. Its length (about 470
+lines) is those checks, the memory check included: all of them run before anything compiles.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ Adaptive width (`Program.adaptive`, docs/adaptive.md): each round verifies only 
 prefix whose expected tokens pay for its width, from running acceptance counts per draft
 position (and per drafter level) against a cost table (seconds per verify width and per draft
 step, a runtime input); width 1 is a plain decode step that skips the rule.
+
+Why one file of about 500 lines: the compiled program is read here in one place, its state,
+the round, the adaptive policy's small functions and the counters it reports; split, each
+prompt's trace would cross more files (tests/test_layering.py keeps that path to 8).
 """
 
 from __future__ import annotations
