@@ -133,6 +133,34 @@ def test_draft_role_follows_the_draft_plan(checkpoints):
         models.load(checkpoints["hf"], mesh=mc, role="drafter", cache=False)
 
 
+def _rename_in_place(path, old: str, new: str):
+    """A tensor renamed in the file's header (same length: nothing else moves)."""
+    data = path.read_bytes()
+    assert len(old) == len(new) and data.count(old.encode()) == 1
+    path.write_bytes(data.replace(old.encode(), new.encode()))
+
+
+@pytest.mark.parametrize("kind", ["hf", "hf-sharded", "gguf"])
+def test_missing_tensor_per_shard_names_the_file_as_the_whole_load_does(tmp_path, kind):
+    """The per-shard reader raises the whole-tensor loader's error, word for word: the file that
+    lacks the tensor (the index for a sharded directory) and the file's nearest names."""
+    if kind == "gguf":
+        path = write_gguf(tmp_path / "m.gguf")
+        _rename_in_place(path, "blk.0.ffn_up.weight", "blk.7.ffn_up.weight")
+        listing, lazy = path, shards.lazy_gguf
+    else:
+        path = write_hf(tmp_path / "m", max_shard_bytes=20_000 if kind == "hf-sharded" else None)
+        listing = path / ("model.safetensors.index.json" if kind == "hf-sharded" else "model.safetensors")
+        _rename_in_place(listing, "layers.0.mlp.up_proj", "layers.0.mlp.up_prok")
+        lazy = shards.lazy_hf_dir
+    with pytest.raises(models.MissingTensorError) as whole:
+        models.load(path, cache=False)
+    with pytest.raises(models.MissingTensorError) as per_shard:
+        lazy(path)
+    assert str(per_shard.value) == str(whole.value)
+    assert str(per_shard.value).startswith(str(listing)) and "nearest in the file: " in str(per_shard.value)
+
+
 def test_head_padding_is_refused_by_name(tmp_path):
     shape = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=1, num_heads=6,
                  num_kv_heads=3, head_dim=16)

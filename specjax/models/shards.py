@@ -302,17 +302,20 @@ def _quant_linear(tensors, in_shape, out_shape, what="layers") -> quant.BlockQua
                             (*in_shape, *out_shape))
 
 
-def _tree(c: Config, tensor, source: str, dtype, quantized: Callable[[list], bool]) -> dict:
+def _tree(c: Config, tensor, where: Callable[[str], str], missing: Callable[[str], Exception], dtype,
+          quantized: Callable[[list], bool]) -> dict:
     """The lazy tree, leaf for leaf the tree of `convert.build_params` (both follow
-    `convert.param_spec`); `tensor(hf_name)` opens a checkpoint tensor (KeyError when missing)."""
+    `convert.param_spec`); `tensor(hf_name)` opens a checkpoint tensor (KeyError when missing).
+    Errors name the file: `where(hf_name)` holds the tensor, `missing(hf_name)` is the error for
+    one the file lacks (as the whole-model loaders raise it, with the nearest names)."""
 
     def fetch(name, shape):
         try:
             t = tensor(name)
         except KeyError:
-            raise convert.MissingTensorError(source, f"missing tensor {name!r}") from None
+            raise missing(name) from None
         if t.shape != shape:
-            raise convert.shape_error(source, name, t.shape, shape)
+            raise convert.shape_error(where(name), name, t.shape, shape)
         return t
 
     def make(leaf: convert.Leaf):
@@ -410,7 +413,11 @@ def lazy_hf_dir(path, dtype=np.float32):
             handles[shard] = convert.open_safetensors(path / shard)
         return _SafetensorsTensor(handles[shard], name)
 
-    tree = _tree(c, tensor, str(path), dtype, quantized=lambda ts: False)
+    listing = path / ("model.safetensors.index.json" if (path / "model.safetensors.index.json").is_file()
+                      else "model.safetensors")
+    tree = _tree(c, tensor, lambda name: str(path / weight_map.get(name, listing)),
+                 lambda name: convert.missing_tensor(listing, name, {n: n for n in weight_map}, c),
+                 dtype, quantized=lambda ts: False)
     if c.tie_embeddings:
         weight_map.pop("lm_head.weight", None)
     unknown = sorted(set(weight_map) - set(convert.expected_tensors(c)) - {"lm_head.weight"})
@@ -437,5 +444,7 @@ def lazy_gguf(path, dtype=np.float32, *, keep_quantized: bool = True):
 
     # as convert.load_gguf: weight matrices (layers, embedding, head) stay block-quantized when
     # every layer's type (the tensor's, for the embedding / head) is supported
-    tree = _tree(c, tensor, str(path), dtype, quantized=lambda ts: keep_quantized and all(t.quantized for t in ts))
+    tree = _tree(c, tensor, lambda name: str(path),
+                 lambda name: convert.missing_tensor(path, name, {hf: t.name for hf, t in by_hf.items()}, c),
+                 dtype, quantized=lambda ts: keep_quantized and all(t.quantized for t in ts))
     return c, tree
