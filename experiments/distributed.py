@@ -57,6 +57,8 @@ _BATCH = flags.DEFINE_integer("batch", 0, "Repeat the prompts cyclically up to t
 _SEED = flags.DEFINE_integer("seed", 0, "Generation seed (and the tiny models' weights).")
 _JSON = flags.DEFINE_boolean("json", False, "Print one JSON line: tokens, per-device bytes, layout.")
 _CACHE = flags.DEFINE_boolean("cache", True, "Use (and, in one process, write) the converted-parameter cache.")
+_ADAPTIVE = flags.DEFINE_boolean("adaptive", True, "Choose the verify width each round (as the Engine); "
+                                 "--noadaptive: always K.")
 
 TINY_PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8], [11, 12], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 7, 7, 7, 7],
                 [40, 41, 42, 43], [1, 2, 3, 1, 2, 3, 1], [99], [60, 61, 60, 61, 62]]
@@ -99,8 +101,10 @@ def tiny_models(seed: int):
 
 
 def run(*, model: str, draft: str, method: str, k: int, max_new_tokens: int, prompts, batch: int, seed: int,
-        mesh_shape=None, draft_sharding="shard", attention="auto", cache=True):
-    """(tokens, memory report, layout description) of one generation; mesh_shape None: one device.
+        mesh_shape=None, draft_sharding="shard", attention="auto", cache=True, adaptive=True, costs=None):
+    """(tokens, memory report, layout description, extras) of one generation; mesh_shape None: one
+    device. extras: the widths the loop chose and the cost table it weighed them against (as a
+    dict; None when the loop does not adapt), so that a run can be repeated with the same table.
 
     A checkpoint is loaded per shard on the mesh (each process reads its devices' parts)."""
     import jax
@@ -141,9 +145,13 @@ def run(*, model: str, draft: str, method: str, k: int, max_new_tokens: int, pro
     else:
         d = load(draft, "draft")
     engine = specjax.Engine(target, draft=d, method=method, k=k, max_new_tokens=max_new_tokens, seed=seed,
-                            eos_ids=(), mesh=mesh)
+                            eos_ids=(), mesh=mesh, adaptive=adaptive, costs=costs)
     out = engine.generate(ids)
-    return out.tokens, sharding.memory_report(engine, len(ids)), sharding.describe(engine.layout)
+    table = engine.cost_table(len(ids))
+    extras = {"widths": out.stats.get("widths"),
+              "costs": None if table is None else {"verify_s": list(table.verify_s),
+                                                   "draft_step_s": table.draft_step_s}}
+    return out.tokens, sharding.memory_report(engine, len(ids)), sharding.describe(engine.layout), extras
 
 
 def main(argv):
@@ -166,17 +174,17 @@ def main(argv):
     if len(mesh_shape) != 2 or mesh_shape[0] * mesh_shape[1] != n:
         raise app.UsageError(f"--mesh={_MESH.value!r} must be DATA,MODEL with DATA*MODEL = {n} devices")
     start = time.perf_counter()
-    tokens, memory, layout = run(model=_MODEL.value, draft=_DRAFT.value, method=_METHOD.value, k=_K.value,
+    tokens, memory, layout, extras = run(model=_MODEL.value, draft=_DRAFT.value, method=_METHOD.value, k=_K.value,
                                  max_new_tokens=_MAX_NEW.value, prompts=_PROMPT.value, batch=_BATCH.value,
                                  seed=_SEED.value, mesh_shape=mesh_shape, draft_sharding=_DRAFT_SHARDING.value,
-                                 attention=_ATTENTION.value, cache=_CACHE.value)
+                                 attention=_ATTENTION.value, cache=_CACHE.value, adaptive=_ADAPTIVE.value)
     seconds = time.perf_counter() - start
     from specjax.models import shards
 
     info = {"process": jax.process_index(), "processes": jax.process_count(), "devices": n,
             "local_devices": jax.local_device_count(), "mesh": list(mesh_shape), "tokens": tokens,
             "bytes_per_device": memory, "checkpoint_bytes_read": dict(shards.BYTES_READ),
-            "seconds": round(seconds, 2)}
+            **extras, "seconds": round(seconds, 2)}
     if _JSON.value:
         print(json.dumps(info), flush=True)
     else:

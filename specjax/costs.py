@@ -6,7 +6,9 @@ compiled loop (`loop.Program`, `adaptive=True`) reads it as a runtime input; it 
 into this module. The Engine either takes a table (`Engine(..., costs=CostTable(...))`) or
 measures one here, once per engine configuration and batch size on its own platform, and keeps
 it on disk under the specjax cache directory (`costs/`), keyed by everything the timing depends
-on: platform, CPU model, the target's and draft's configs, dtype, backend, batch size and K.
+on: platform, CPU model, the target's and draft's configs, dtype, backend, batch size, K and the
+mesh. With several processes (one mesh over hosts) every process takes process 0's figures: the
+loop's choices must be the same program everywhere.
 
 `CostTable.from_ratios` builds a table from a published profile (a verify pass of width w
 costs r_w target steps), e.g. a device's figures read off a results file.
@@ -150,7 +152,10 @@ def cache_key(engine, batch: int, what: str) -> str:
     model = getattr(engine.drafter, "model", engine.drafter)
     parts = dict(format=_FORMAT, platform=jax.default_backend(), cpu=cpu_model(), jax=jax.__version__,
                  dtype=str(engine.target.dtype), backend=engine.backend.matmul, layers=engine.layers,
-                 batch=int(batch), what=what)
+                 batch=int(batch), what=what, processes=jax.process_count())
+    if engine.layout is not None:  # on a mesh a forward also pays for its collectives
+        mesh = engine.layout.mesh
+        parts.update(mesh=[list(mesh.axis_names), list(mesh.devices.shape)], plan=repr(engine.layout.target))
     if what == "draft":
         parts.update(draft=repr(model.config), draft_dtype=str(model.dtype))
     else:
@@ -179,16 +184,37 @@ def measured(engine, batch: int) -> CostTable:
 
 
 def _remembered(engine, batch: int, what: str, measure) -> float:
+    """One figure, the same in every process: the loop's widths hang on it, and processes that
+    weighed widths differently would run different programs on one mesh (and hang or abort). So
+    with several processes, process 0's disk decides whether to measure, all processes measure
+    together (the forward is a collective on a mesh they share) and all take process 0's figure."""
+    import jax
+
     key = cache_key(engine, batch, what)
     if key in _MEMORY:
         return _MEMORY[key]
     path = _directory() / f"{key}.json"
-    seconds = _read(path)
+    first = jax.process_index() == 0
+    seconds = _agreed(_read(path) if first else None)
     if seconds is None:
-        seconds = measure()
-        _write(path, what, seconds)
+        seconds = _agreed(measure())
+        if first:
+            _write(path, what, seconds)
     _MEMORY[key] = seconds
     return seconds
+
+
+def _agreed(seconds: float | None) -> float | None:
+    """Process 0's `seconds` in every process (None stays None); as given with one process."""
+    import jax
+
+    if jax.process_count() == 1:
+        return seconds
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    value = float(multihost_utils.broadcast_one_to_all(np.float32(np.nan if seconds is None else seconds)))
+    return None if math.isnan(value) else value
 
 
 _CACHE_LEN = 256  # the cache the timings run on, half full

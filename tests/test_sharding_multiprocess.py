@@ -64,11 +64,19 @@ def run_two_processes(flags):
 
 
 def test_two_processes_give_the_single_process_tokens():
+    """The adaptive loop (the default) on a mesh over two processes: both weigh the widths against
+    one cost table (process 0's), so they run one program; a loose rule's tokens depend on the
+    widths chosen, so the single-device reference is given that table."""
+    from specjax.costs import CostTable
+
     dist = load_distributed()
-    # the single-process reference: one device, the same model, prompts and settings
-    expected, _, _ = dist.run(model="tiny", draft="pld", method="fly", k=2, max_new_tokens=6, prompts=None,
-                              batch=0, seed=0, mesh_shape=None)
     infos = run_two_processes(FLAGS)
+    assert infos[0]["costs"] is not None and infos[0]["costs"] == infos[1]["costs"]
+    assert infos[0]["widths"] == infos[1]["widths"]
+    # the single-process reference: one device, the same model, prompts, settings and costs
+    expected, _, _, extras = dist.run(model="tiny", draft="pld", method="fly", k=2, max_new_tokens=6, prompts=None,
+                                      batch=0, seed=0, mesh_shape=None, costs=CostTable(**infos[0]["costs"]))
+    assert extras["widths"] == infos[0]["widths"]
     for info in infos:
         assert info["processes"] == 2 and info["devices"] == 8 and info["local_devices"] == 4
         assert info["tokens"] == expected
@@ -107,10 +115,11 @@ def test_each_process_reads_half_of_the_layers(fmt, tmp_path):
     path = (_checkpoints.write_hf(tmp_path / "hf", dtype="bfloat16") if fmt == "safetensors"
             else _checkpoints.write_gguf(tmp_path / "tiny.gguf"))
     dist = load_distributed()
-    expected, _, _ = dist.run(model=str(path), draft="pld", method="fly", k=2, max_new_tokens=6, prompts=None,
-                              batch=0, seed=0, mesh_shape=None, cache=False)
+    # fixed K: the point is what each process reads (the adaptive loop: the test above)
+    expected, _, _, _ = dist.run(model=str(path), draft="pld", method="fly", k=2, max_new_tokens=6, prompts=None,
+                                 batch=0, seed=0, mesh_shape=None, cache=False, adaptive=False)
     infos = run_two_processes([f"--model={path}", "--draft=pld", "--method=fly", "--k=2", "--max_new_tokens=6",
-                               "--mesh=1,8", "--nocache", "--json"])
+                               "--mesh=1,8", "--nocache", "--noadaptive", "--json"])
     layers, norms = _layer_bytes(path, fmt)
     assert norms / layers < 0.004
     for info in infos:
@@ -131,10 +140,11 @@ def test_wide_tp_each_process_reads_only_its_kv_head(tmp_path):
     shape = {**_checkpoints.SHAPE, "num_heads": 8, "num_kv_heads": 2}
     path = _checkpoints.write_hf(tmp_path / "wide", shape=shape, qwen2=True, dtype="bfloat16")
     dist = load_distributed()
-    expected, _, _ = dist.run(model=str(path), draft="pld", method="fly", k=2, max_new_tokens=6, prompts=None,
-                              batch=0, seed=0, mesh_shape=None, cache=False)
+    # fixed K: the point is what each process reads (the adaptive loop: the test above)
+    expected, _, _, _ = dist.run(model=str(path), draft="pld", method="fly", k=2, max_new_tokens=6, prompts=None,
+                                 batch=0, seed=0, mesh_shape=None, cache=False, adaptive=False)
     infos = run_two_processes([f"--model={path}", "--draft=pld", "--method=fly", "--k=2", "--max_new_tokens=6",
-                               "--mesh=1,8", "--nocache", "--json"])
+                               "--mesh=1,8", "--nocache", "--noadaptive", "--json"])
     layers, norms = _layer_bytes(path, "safetensors")
     # per device, float32: H/TP = 1 query head and 1 KV head (aot.hand_count) and their biases (q, k, v)
     from specjax import aot
