@@ -89,8 +89,11 @@ def check_output(flag: str, path, *, dir: bool = False) -> None:  # noqa: A002 (
 
 @contextlib.contextmanager
 def atomic_open(path, mode: str = "w", **kwargs):
-    """open() for writing into a temporary beside `path` that replaces it only when the block completes."""
+    """open() for writing into a temporary beside `path` that replaces it only when the block completes.
+    Missing parent directories are made: `check_output` accepts a path whose nearest existing
+    ancestor is writable, so the write must be able to create the rest."""
     path = os.path.abspath(os.fspath(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     _PENDING.add(tmp)
     try:

@@ -54,7 +54,7 @@ SMALL: dict[str, dict[str, object]] = {
                      "min_time": 0.001, "cache_len": 64, "context": 16},
     "benchmark": {"num_prompts": 1, "max_new_tokens": 8},
     "break_even": {"num_prompts": 1, "max_new_tokens": 8, "k": ["1"], "agreement": ["1", "0.6"]},
-    "calibrate_asd": {"num_prompts": 2, "max_new_tokens": 8},
+    "calibrate_asd": {"num_prompts": 3, "max_new_tokens": 64},  # a mismatch to calibrate on: a strong draft needs tokens
     "calibrate_csd": {"num_prompts": 2, "max_new_tokens": 8, "eval_prompts": 1},
     "cross_vocab_reference": {},
     "device_check": {"max_new_tokens": 4, "reps": 1, "qwen": False},

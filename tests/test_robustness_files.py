@@ -114,6 +114,17 @@ def test_check_output_names_the_problem(tmp_path):
         assert f"--{flag} {path}" in str(e.value)
 
 
+def test_an_output_check_output_accepts_is_written(tmp_path):
+    """A path below directories that do not exist yet passes the check, so the write makes them
+    (calibrate_asd once failed at its very end on such a path, after the whole calibration)."""
+    from experiments import _paths
+
+    path = tmp_path / "new" / "deeper" / "out.json"
+    _paths.check_output("output", path)
+    _paths.write_text(path, "done")
+    assert path.read_text() == "done" and os.listdir(path.parent) == ["out.json"]
+
+
 def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path):
     from experiments import _paths
 
