@@ -114,7 +114,7 @@ def _write_params(path: pathlib.Path, arrays: dict) -> None:
     with open(path, "wb") as f:
         f.write(head)
         for p in pieces:
-            f.write(bytes(p) if isinstance(p, int) else memoryview(np.ascontiguousarray(p)).cast("B"))
+            f.write(bytes(p) if isinstance(p, int) else np.ascontiguousarray(p).reshape(-1).view(np.uint8).data)
 
 
 def chunk_hashes(path: pathlib.Path) -> list[str]:
@@ -218,16 +218,17 @@ def _read_into(fd: int, view: np.ndarray, offset: int) -> None:
         done += n
 
 
-def _read_file(path: pathlib.Path, entry: dict, chunk: int, wanted=None) -> np.ndarray:
-    """The file's bytes in an aligned buffer, every chunk read checked against its SHA-256.
-    `wanted`: the chunk indices to read (None: all); the others are left unread (garbage)."""
+def _read_file(path: pathlib.Path, entry: dict, chunk: int, wanted=None, buf=None) -> np.ndarray:
+    """The file's bytes in an aligned buffer (`buf`, or a new one), every chunk read checked
+    against its SHA-256. `wanted`: the chunk indices to read (None: all); the others are left
+    as they were (unread: garbage in a new buffer)."""
     with open(path, "rb") as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
         if size != entry["size"]:
             raise CacheError(f"{path.name} has {size} bytes, the manifest says {entry['size']}: truncated or altered")
-        buf = aligned_empty(size)
-        indices = range(len(entry["sha256"])) if wanted is None else sorted(wanted)
+        buf = aligned_empty(size) if buf is None else buf
+        indices = list(range(len(entry["sha256"])) if wanted is None else sorted(wanted))
 
         def one(i):
             view = buf[i * chunk:min(size, (i + 1) * chunk)]
@@ -305,19 +306,22 @@ def read_regions(directory: pathlib.Path, metadata: tuple[str, ...], regions) ->
     entry, path = files[PARAMS], directory / PARAMS
     if entry["size"] < 8:
         raise CacheError(f"{PARAMS} is shorter than its header")
-    head = _read_file(path, entry, chunk, {0})
-    n = int.from_bytes(head[:8].tobytes(), "little")
+    buf = _read_file(path, entry, chunk, {0})
+    done = {0}
+    n = int.from_bytes(buf[:8].tobytes(), "little")
     if 8 + n > entry["size"]:
         raise CacheError(f"{PARAMS}: header of {n} bytes overruns the file")
-    wanted = set(range(0, (8 + n - 1) // chunk + 1))
-    buf = _read_file(path, entry, chunk, wanted) if wanted != {0} else head
+    wanted = set(range(1, (8 + n - 1) // chunk + 1))
+    _read_file(path, entry, chunk, wanted, buf)
+    done |= wanted
     _, layout = _parse_params(buf, 8 + n)
+    wanted = set()
     for name, ranges in regions(layout).items():
         base = layout[name][2]
         for b, e in ranges:
             if e > b:
                 wanted.update(range((base + b) // chunk, (base + e - 1) // chunk + 1))
-    buf = _read_file(path, entry, chunk, wanted)
+    _read_file(path, entry, chunk, wanted - done, buf)
     return meta, _views(buf, layout)
 
 
