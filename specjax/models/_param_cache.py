@@ -218,10 +218,11 @@ def _read_into(fd: int, view: np.ndarray, offset: int) -> None:
         done += n
 
 
-def _read_file(path: pathlib.Path, entry: dict, chunk: int, wanted=None, buf=None) -> np.ndarray:
+def _read_file(path: pathlib.Path, entry: dict, chunk: int, wanted=None, buf=None, during=None) -> np.ndarray:
     """The file's bytes in an aligned buffer (`buf`, or a new one), every chunk read checked
     against its SHA-256. `wanted`: the chunk indices to read (None: all); the others are left
-    as they were (unread: garbage in a new buffer)."""
+    as they were (unread: garbage in a new buffer). `during()` runs in this thread while the
+    chunks are read and hashed (they release the GIL)."""
     with open(path, "rb") as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
@@ -238,8 +239,13 @@ def _read_file(path: pathlib.Path, entry: dict, chunk: int, wanted=None, buf=Non
         threads = min(len(indices), os.cpu_count() or 1, 4)
         if threads > 1:
             with concurrent.futures.ThreadPoolExecutor(threads) as ex:
-                good = list(ex.map(one, indices))
+                futures = [ex.submit(one, i) for i in indices]
+                if during is not None:
+                    during()
+                good = [f.result() for f in futures]
         else:
+            if during is not None:
+                during()
             good = [one(i) for i in indices]
     if not all(good):
         raise CacheError(f"SHA-256 mismatch in {path.name} (chunk {indices[good.index(False)]})")
@@ -281,15 +287,17 @@ def _views(buf: np.ndarray, layout: dict) -> dict:
     return {name: buf[b:e].view(dtype).reshape(shape) for name, (dtype, shape, b, e) in layout.items()}
 
 
-def read(directory: pathlib.Path, metadata: tuple[str, ...]) -> tuple[dict[str, bytes], dict]:
+def read(directory: pathlib.Path, metadata: tuple[str, ...], during=None) -> tuple[dict[str, bytes], dict]:
     """({name: bytes} of the `metadata` files, {flat name: host array}), every byte checked
-    against the manifest first. The arrays are views of one 64-byte aligned buffer."""
+    against the manifest first. The arrays are views of one 64-byte aligned buffer.
+    `during(metadata bytes)`, if given, runs while the arrays are read (the checked metadata
+    turned into objects meanwhile); an exception from it propagates once the reads are done."""
     chunk, files = _manifest(directory)
     missing = [m for m in (PARAMS, *metadata) if m not in files]
     if missing:
         raise CacheError(f"no {missing[0]} in the cache entry")
     meta = {m: _read_file(directory / m, files[m], chunk).tobytes() for m in metadata}
-    buf = _read_file(directory / PARAMS, files[PARAMS], chunk)
+    buf = _read_file(directory / PARAMS, files[PARAMS], chunk, during=None if during is None else lambda: during(meta))
     return meta, _views(buf, _parse_params(buf)[1])
 
 

@@ -418,25 +418,32 @@ def _restore(ckpt_dir: pathlib.Path, config: Config, abstract_params=None, shard
 
 
 def _restore_model(ckpt_dir: pathlib.Path):
-    """(config, host params, tokenizer) from the cache alone, every byte checked first."""
+    """(config, host params, tokenizer) from the cache alone, every byte checked first. The
+    config and tokenizer are built, and the device started, while the weights are read."""
     from specjax.models import tokenizer as tokenizer_lib
 
-    meta, flat = _param_cache.read(ckpt_dir, (_CONFIG, _QUANTIZED, _TOKENIZER))
-    saved = _json(meta, _CONFIG)
-    try:
-        config = Config(**{**saved, "rope_scaling": saved["rope_scaling"] and RopeScaling(**saved["rope_scaling"]),
-                           "rope_freq_factors": saved["rope_freq_factors"] and tuple(saved["rope_freq_factors"]),
-                           "eos_token_ids": tuple(saved["eos_token_ids"])})
-    except (TypeError, KeyError, LoadError) as e:
-        raise CacheError(f"config.json is not a config: {e}") from None
-    if json.loads(json.dumps(dataclasses.asdict(config))) != saved:
-        raise CacheError("config.json does not round-trip to the same config")
-    state = _json(meta, _TOKENIZER)
-    try:
-        tokenizer = None if state is None else tokenizer_lib.Tokenizer.from_state(state)
-    except ValueError as e:
-        raise CacheError(f"{_TOKENIZER}: {e}") from None
-    return config, _tree(meta, flat, config), tokenizer
+    built = {}
+
+    def during(meta):
+        saved = _json(meta, _CONFIG)
+        try:
+            config = Config(**{**saved, "rope_scaling": saved["rope_scaling"] and RopeScaling(**saved["rope_scaling"]),
+                               "rope_freq_factors": saved["rope_freq_factors"] and tuple(saved["rope_freq_factors"]),
+                               "eos_token_ids": tuple(saved["eos_token_ids"])})
+        except (TypeError, KeyError, LoadError) as e:
+            raise CacheError(f"config.json is not a config: {e}") from None
+        if json.loads(json.dumps(dataclasses.asdict(config))) != saved:
+            raise CacheError("config.json does not round-trip to the same config")
+        state = _json(meta, _TOKENIZER)
+        try:
+            built["tokenizer"] = None if state is None else tokenizer_lib.Tokenizer.from_state(state)
+        except ValueError as e:
+            raise CacheError(f"{_TOKENIZER}: {e}") from None
+        built["config"] = config
+        jax.devices()  # the backend's start, which the arrays' placement would wait for
+
+    meta, flat = _param_cache.read(ckpt_dir, (_CONFIG, _QUANTIZED, _TOKENIZER), during)
+    return built["config"], _tree(meta, flat, built["config"]), built["tokenizer"]
 
 
 def _json(meta: dict, name: str):
