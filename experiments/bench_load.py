@@ -61,14 +61,16 @@ def child_split() -> dict:
     """CPU seconds of each part of a warm load, run one after another (the load overlaps the
     weights' read with the rest): the files' check and read, the tokenizer, the device's start,
     the placement."""
+    import pathlib
+
     import jax
 
-    from specjax.models import _param_cache, model
+    from specjax.models import _param_cache, presets
+    from specjax.models import model as m
 
-    m = model  # the cache entry of this model, found as `load` finds it
-    src = _MODEL.value
-    path = m.presets.resolve(src) if src in m.presets.PRESETS else __import__("pathlib").Path(src)
-    key = (f"{src}-{m.presets.PRESETS[src].sha256[:16]}" if src in m.presets.PRESETS
+    src = _MODEL.value  # its cache entry, found as `models.load` finds it
+    path = presets.resolve(src) if src in presets.PRESETS else pathlib.Path(src)
+    key = (f"{src}-{presets.PRESETS[src].sha256[:16]}" if src in presets.PRESETS
            else m._source_key(path, path.is_file()))
     entry = m._cache_dir(key, path.is_file(), True)
     out, cpu = {}, time.process_time()
