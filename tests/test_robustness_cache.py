@@ -341,3 +341,21 @@ def test_a_partial_read_reads_and_checks_only_the_chunks_it_needs(tmp_path, monk
     targets["w"] = target(big.shape, 0, 3)
     with pytest.raises(model_lib.CacheError, match="SHA-256 mismatch in params.safetensors"):
         _param_cache.read_regions(tmp_path / "e", ("m.json",), _param_cache.device_regions(targets))
+
+
+def test_neither_the_conversion_nor_a_warm_load_imports_orbax(tmp_path):
+    """A fresh process converts and then loads from the cache without orbax (whose import alone
+    cost a warm load 0.2 s): the cache is read by specjax itself."""
+    import subprocess
+    import sys
+
+    from _checkpoints import write_hf
+
+    path = write_hf(tmp_path / "hf")
+    code = ("import sys\nfrom specjax import models\n"
+            f"a, b = models.load({str(path)!r}), models.load({str(path)!r})\n"
+            "print(a.load_source, b.load_source, sorted(m for m in sys.modules if m.startswith('orbax')))\n")
+    env = {**os.environ, "SPECJAX_CACHE": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["converted", "cache", "[]"], out.stdout
