@@ -258,11 +258,11 @@ def test_checksum_mismatch_refuses_to_load(monkeypatch, tmp_path):
 
 
 @pytest.mark.smollm2
-def test_orbax_cache_second_load_equals_first(tmp_path, monkeypatch):
+def test_cache_second_load_equals_first(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     first = models.load("smollm2-135m-instruct")
     second = models.load("smollm2-135m-instruct")
-    assert (first.load_source, second.load_source) == ("converted", "orbax-cache")
+    assert (first.load_source, second.load_source) == ("converted", "cache")
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
         np.testing.assert_array_equal(a, b)
     assert second.load_seconds < first.load_seconds

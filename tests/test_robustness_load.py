@@ -58,7 +58,7 @@ def _one_line_naming(e, path) -> None:
 def test_replaced_weights_are_converted_afresh_not_served_from_the_cache(tmp_path, cache):
     src = _hf(tmp_path / "m", seed=0)
     first = models.load(src)
-    assert first.load_source == "converted" and models.load(src).load_source == "orbax-cache"
+    assert first.load_source == "converted" and models.load(src).load_source == "cache"
     old = np.asarray(first.logits(TOKENS))
     write_hf(tmp_path / "other", seed=1, shape=SMALL)  # other weights of the same shape
     os.replace(tmp_path / "other" / "model.safetensors", src / "model.safetensors")
@@ -67,7 +67,7 @@ def test_replaced_weights_are_converted_afresh_not_served_from_the_cache(tmp_pat
     want = np.asarray(models.load(src, cache=False).logits(TOKENS))
     np.testing.assert_array_equal(np.asarray(again.logits(TOKENS)), want)
     assert not np.array_equal(want, old)
-    assert models.load(src).load_source == "orbax-cache"
+    assert models.load(src).load_source == "cache"
 
 
 def test_a_warm_load_hashes_none_of_the_source_files(tmp_path, cache, monkeypatch):
@@ -81,7 +81,7 @@ def test_a_warm_load_hashes_none_of_the_source_files(tmp_path, cache, monkeypatc
     for module in (presets, _files):
         real = module.sha256_file
         monkeypatch.setattr(module, "sha256_file", lambda p, *a, _real=real, **k: hashed.append(p) or _real(p, *a, **k))
-    assert models.load(src).load_source == "orbax-cache"
+    assert models.load(src).load_source == "cache"
     assert not [p for p in hashed if pathlib.Path(p).is_relative_to(src)], hashed
 
 
@@ -112,7 +112,7 @@ def test_a_sharded_checkpoint_is_keyed_by_every_shard(tmp_path, cache):
 def test_a_gguf_rewritten_in_place_misses_the_cache(tmp_path, cache):
     path = write_gguf(tmp_path / "m.gguf", shape=GGUF_SMALL)
     first = models.load(path)
-    assert models.load(path).load_source == "orbax-cache"
+    assert models.load(path).load_source == "cache"
     write_gguf(tmp_path / "n.gguf", seed=1, shape=GGUF_SMALL)
     os.replace(tmp_path / "n.gguf", path)
     again = models.load(path)
@@ -144,22 +144,21 @@ def test_an_unwritable_cache_is_one_warning_and_the_load_goes_on(tmp_path, monke
 
 
 def test_a_full_cache_disk_is_one_warning_and_leaves_no_partial_cache(tmp_path, cache, monkeypatch, caplog):
-    import orbax.checkpoint as ocp
+    from specjax.models import _param_cache
 
     src = _hf(tmp_path / "m")
     want = np.asarray(models.load(src, cache=False).logits(TOKENS))
 
-    def full(self, directory, *args, **kwargs):
-        pathlib.Path(directory).mkdir(parents=True, exist_ok=True)
-        (pathlib.Path(directory) / "half").write_bytes(b"x" * 100)
+    def full(path, arrays):
+        pathlib.Path(path).write_bytes(b"x" * 100)  # half of the weights written
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ocp.StandardCheckpointer, "save", full)
+    monkeypatch.setattr(_param_cache, "_write_params", full)
     _loads_uncached_with_one_warning(src, want, caplog, "No space left")
     assert [p.name for p in (cache / "params").iterdir()] == []  # the half-written temporary is gone
     monkeypatch.undo()
     monkeypatch.setenv("SPECJAX_CACHE", str(cache))
-    assert models.load(src).load_source == "converted" and models.load(src).load_source == "orbax-cache"
+    assert models.load(src).load_source == "converted" and models.load(src).load_source == "cache"
 
 
 # --- damaged, truncated and foreign inputs: one error naming the file ---------------------------

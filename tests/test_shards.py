@@ -1,5 +1,5 @@
 """Per-shard loading (`models.load(..., mesh=)`, `models.shards`) against the whole-tensor path:
-the same values bit for bit, at the layout's shardings, and orbax restoring the cache at them."""
+the same values bit for bit, at the layout's shardings, and the cache restored at them."""
 
 import dataclasses
 
@@ -173,12 +173,12 @@ def test_head_padding_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["hf", "gguf-mixed"])
-def test_orbax_cache_is_restored_at_the_shardings(checkpoints, name, tmp_path, monkeypatch):
+def test_cache_is_restored_at_the_shardings(checkpoints, name, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
     mc = mesh_config((2, 4))
     first = models.load(checkpoints[name], mesh=mc)  # converted per shard, cache written
     second = models.load(checkpoints[name], mesh=mc, dtype=jnp.bfloat16)
-    assert (first.load_source, second.load_source) == ("converted", "orbax-cache")
+    assert (first.load_source, second.load_source) == ("converted", "cache")
     assert_same_tree(models.load(checkpoints[name], cache=False, dtype=jnp.bfloat16).params, second.params)
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
         assert b.sharding.is_equivalent_to(a.sharding, a.ndim)
@@ -186,7 +186,7 @@ def test_orbax_cache_is_restored_at_the_shardings(checkpoints, name, tmp_path, m
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "other"))
     models.load(checkpoints[name])
     third = models.load(checkpoints[name], mesh=mc)
-    assert third.load_source == "orbax-cache"
+    assert third.load_source == "cache"
     assert_same_tree(first.params, third.params)
     for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(third.params)):
         assert b.sharding.is_equivalent_to(a.sharding, a.ndim)
@@ -287,7 +287,7 @@ def test_wide_cache_holds_the_repeated_layout(checkpoints, tmp_path, monkeypatch
     path = checkpoints["wide-hf-qwen2-bf16"]
     first = models.load(path, mesh=mc)
     second = models.load(path, mesh=mc, dtype=jnp.bfloat16)
-    assert (first.load_source, second.load_source) == ("converted", "orbax-cache")
+    assert (first.load_source, second.load_source) == ("converted", "cache")
     assert second.config.num_kv_heads == 4 and second.name == first.name
     want = sharding.prepare_model(mc, models.load(path, cache=False, dtype=jnp.bfloat16), "target")
     assert_same_tree(want.params, second.params)

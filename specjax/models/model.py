@@ -1,12 +1,13 @@
 """`Model = (config, params, tokenizer)` and `load()`: presets, GGUF files, HF dirs.
 
-Dequantizing a GGUF costs seconds; the converted float32 parameters are saved
-with orbax under the cache directory, keyed by the source's identity, with the
-config and the tokenizer beside them, so the second load reads only the cache
-(parsing a GGUF's metadata alone costs seconds: its tokenizer fields).
+Dequantizing a GGUF costs seconds; the converted parameters (block codes kept) are saved
+under the cache directory (`_param_cache`: one safetensors file and a chunked SHA-256
+manifest), keyed by the source's identity, with the config and the tokenizer beside them, so
+the second load reads only the cache (parsing a GGUF's metadata alone costs seconds: its
+tokenizer fields), and hands its checked, aligned buffer to the device without a copy.
 
-Over 450 lines: the cache's write, check and restore stay beside the two load paths (one
-process, per shard) that share them; split them out together if either grows.
+Over 450 lines: what the cache holds (config, tokenizer, tree) and its checks stay beside the
+two load paths (one process, per shard) that share them; the file format is `_param_cache`.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from specjax._files import LoadError
-from specjax.models import convert, llama, presets, quant
+from specjax.models import _param_cache, convert, llama, presets, quant
+from specjax.models._param_cache import CacheError
 from specjax.models.config import Config, RopeScaling
 
-_CONVERTER_VERSION = 3  # bump when the parameter tree or conversion changes
+# bump when the parameter tree, the conversion or the cache's files change (4: safetensors and
+# chunk hashes, where 3 was orbax); older entries are left where they are, never read
+_CONVERTER_VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -40,7 +44,7 @@ class Model:
     name: str = ""
     dtype: Any = jnp.float32  # compute dtype: the float params and the KV caches are stored in it
     load_seconds: float | None = None  # wall time of the load that produced this model
-    load_source: str | None = None  # "converted" (first load) or "orbax-cache"
+    load_source: str | None = None  # "converted" (first load) or "cache"
 
     def logits(self, tokens_BT) -> jax.Array:
         """Full causal forward, no cache: int32[B, T] -> float32[B, T, V] at positions 0..T-1."""
@@ -127,8 +131,8 @@ def load(source: str | os.PathLike, *, dtype=jnp.float32, cache: bool = True,
     `mesh`: a `jax.sharding.Mesh` or `sharding.MeshConfig`: the params come back placed as
     `Engine(..., mesh=mesh)` places them (`role` "target", or "draft" for a draft model, which
     follows `MeshConfig.draft`), and each process reads only the parts of the checkpoint that
-    its devices hold (`shards`, the quantized embedding and head included; a cached conversion
-    is restored by orbax at those shardings). Where the Engine would repeat the KV heads (a
+    its devices hold (`shards`, the quantized embedding and head included; of a cached conversion,
+    the 8 MiB chunks that hold those parts). Where the Engine would repeat the KV heads (a
     model axis wider than them, docs/wide_tp.md) the model comes back as the Engine prepares
     the whole load (`sharding.prepare_model`), each device's copy of a KV head read from the file's.
     Pass the same mesh to the Engine: it keeps the placed params as they are.
@@ -209,7 +213,7 @@ def _load_cached(path, name, key, is_gguf, start, dtype, keep_quantized) -> tupl
     ckpt_dir = _cache_dir(key, is_gguf, keep_quantized)
     if ckpt_dir.parent.is_dir():
         try:
-            _remove_stale_temporaries(ckpt_dir.parent)
+            _param_cache.remove_stale_temporaries(ckpt_dir.parent)
         except OSError:  # a read-only cache: its temporaries stay, as does the load
             pass
     if not (ckpt_dir / _TOKENIZER).is_file():
@@ -220,8 +224,8 @@ def _load_cached(path, name, key, is_gguf, start, dtype, keep_quantized) -> tupl
         logging.warning("parameter cache %s failed its check (%s); rebuilding it from %s", ckpt_dir,
                         str(e).splitlines()[0][:300], path)
         return None, False
-    params = jax.tree.map(jnp.asarray, llama.cast_params(params, dtype))
-    return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, "orbax-cache"), False
+    params = jax.device_put(llama.cast_params(params, dtype))  # the aligned views: no copy on a CPU
+    return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, "cache"), False
 
 
 def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cache, keep_quantized, mesh, role,
@@ -237,7 +241,7 @@ def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cach
     if cache and ckpt_dir.exists():
         try:
             params = _restore(ckpt_dir, config)
-            how = "orbax-cache"
+            how = "cache"
         except Exception as e:  # a corrupt, partial or altered cache is rebuilt, never trusted
             logging.warning("parameter cache %s failed its check (%s); rebuilding it from %s", ckpt_dir,
                             str(e).splitlines()[0][:300], path)
@@ -250,8 +254,11 @@ def _load_params(path, name, key, is_gguf, config, tokenizer, start, dtype, cach
                   else convert.load_hf_dir(path)[1])
         if save:
             _save_or_warn(ckpt_dir, config, params, tokenizer)
-    # stored in the compute dtype (cast on the host for converted arrays: no float32 device copy)
-    params = jax.tree.map(jnp.asarray, llama.cast_params(params, dtype))
+    # stored in the compute dtype (cast on the host for converted arrays: no float32 device copy).
+    # The cache's buffer is ours alone and aligned: the device takes it as it is. Converted arrays
+    # are copied (jnp.asarray): one may be a view of the source's memory map.
+    params = llama.cast_params(params, dtype)
+    params = jax.device_put(params) if how == "cache" else jax.tree.map(jnp.asarray, params)
     return Model(config, params, tokenizer, name, dtype, time.perf_counter() - start, how)
 
 
@@ -299,7 +306,7 @@ def _load_sharded(path, name, is_gguf, config, ckpt_dir, dtype, cache, keep_quan
     if cache and (ckpt_dir / "config.json").is_file():
         try:
             params = _restore(ckpt_dir, config, shards.abstract(converted), shardings)
-            return config, name, jax.tree.map(jnp.asarray, llama.cast_params(params, dtype)), "orbax-cache"
+            return config, name, llama.cast_params(params, dtype), "cache"
         except Exception as e:  # a corrupt or partial cache is ignored, as in the one-process path
             logging.warning("ignoring unreadable parameter cache %s: %s", ckpt_dir, e)
     if cache and jax.process_count() == 1:  # several processes write no cache (see shards)
@@ -329,92 +336,32 @@ def _save_or_warn(ckpt_dir: pathlib.Path, config: Config, params, tokenizer=Fals
     is one warning, and the load goes on with the converted parameters."""
     try:
         _save(ckpt_dir, config, params, tokenizer)
-    except Exception as e:  # OSError (EROFS, ENOSPC, EACCES), or orbax's wrapping of one
+    except Exception as e:  # OSError (EROFS, ENOSPC, EACCES), or any other failure to write
         logging.warning("could not write the parameter cache %s (%s); loading on without it",
                         ckpt_dir, str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
 
 
-_MANIFEST = "manifest.json"  # SHA-256 of every other file, written last: a cache without it is incomplete
+_CONFIG = "config.json"  # `dataclasses.asdict(config)`
+_QUANTIZED = "quantized.json"  # {flat path: logical shape} of the block-quantized leaves
 _TOKENIZER = "tokenizer_state.json"  # `Tokenizer.to_state()`, or null for a model without one
-
-
-def _file_hashes(root: pathlib.Path) -> dict[str, str]:
-    return {str(f.relative_to(root)): presets.sha256_file(f) for f in sorted(root.rglob("*"))
-            if f.is_file() and f.name != _MANIFEST}
-
-
-def _remove_stale_temporaries(parent: pathlib.Path) -> None:
-    """Deletes `<key>.tmp<PID>` directories whose process is gone (a save killed midway)."""
-    for tmp in parent.glob("*.tmp*"):
-        pid = tmp.name.rsplit(".tmp", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # its process still runs: maybe saving right now
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        logging.warning("removed %s, left by an interrupted save", tmp)
 
 
 def _save(ckpt_dir: pathlib.Path, config: Config, params, tokenizer=False) -> None:
     """`tokenizer`: the model's (None: it has none) is kept beside the weights, so that a warm
     load need not read the source; False (the default) keeps none."""
-    import shutil
-
-    import orbax.checkpoint as ocp
+    import numpy as np
 
     plain, quantized = quant.to_plain(params)
-    ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(ckpt_dir.parent)
-    tmp = ckpt_dir.with_name(ckpt_dir.name + f".tmp{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        ckptr = ocp.StandardCheckpointer()
-        ckptr.save(tmp.resolve() / "params", plain)
-        ckptr.wait_until_finished()
-        ckptr.close()
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
-        (tmp / "quantized.json").write_text(json.dumps(quantized))
-        if tokenizer is not False:
-            (tmp / _TOKENIZER).write_text(json.dumps(None if tokenizer is None else tokenizer.to_state()))
-        (tmp / _MANIFEST).write_text(json.dumps({"version": 1, "sha256": _file_hashes(tmp)}, indent=0))
-        if ckpt_dir.exists():
-            shutil.rmtree(ckpt_dir)
-        os.replace(tmp, ckpt_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-class CacheError(LoadError):
-    """A converted-parameter cache that is incomplete, altered or not what this version writes."""
+    arrays = {k: np.asarray(v) for k, v in _param_cache.flatten(plain).items()}
+    meta = {_CONFIG: json.dumps(dataclasses.asdict(config)).encode(), _QUANTIZED: json.dumps(quantized).encode()}
+    if tokenizer is not False:
+        meta[_TOKENIZER] = json.dumps(None if tokenizer is None else tokenizer.to_state()).encode()
+    _param_cache.write(ckpt_dir, arrays, meta)
 
 
 def _verify(ckpt_dir: pathlib.Path) -> None:
-    """Every file is listed in the manifest with its SHA-256, and nothing else is there."""
-    try:
-        manifest = json.loads((ckpt_dir / _MANIFEST).read_text())
-        want = manifest["sha256"]
-        if not isinstance(want, dict) or not want:
-            raise TypeError
-    except FileNotFoundError:
-        raise CacheError("no manifest.json (an incomplete save, or one by an older version)") from None
-    except (ValueError, TypeError, KeyError):
-        raise CacheError("manifest.json is not a valid manifest") from None
-    got = _file_hashes(ckpt_dir)
-    if set(got) != set(want):
-        diff = sorted(set(got) ^ set(want))
-        raise CacheError(f"files differ from the manifest ({', '.join(diff[:3])}{', ...' if len(diff) > 3 else ''})")
-    bad = [f for f in sorted(got) if got[f] != want[f]]
-    if bad:
-        raise CacheError(f"SHA-256 mismatch in {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}")
+    """Every file is listed in the manifest with its size and chunk hashes, and nothing else is there."""
+    _param_cache.check(ckpt_dir)
 
 
 def expected_shapes(config: Config) -> dict:
@@ -444,59 +391,76 @@ def _check_tree(config: Config, params) -> None:
 
 
 def _restore(ckpt_dir: pathlib.Path, config: Config, abstract_params=None, shardings=None):
-    """The cached params; with `abstract_params` and `shardings` (matching trees), orbax restores
-    each array at its sharding, reading only the parts of this process's devices."""
-    # Checked before orbax reads anything: a damaged file then never reaches tensorstore, whose
-    # reads still in flight after a failed restore end in "Event loop is closed" tracebacks.
-    _verify(ckpt_dir)
-    if _read_metadata(ckpt_dir, "config.json") != json.loads(json.dumps(dataclasses.asdict(config))):
+    """The cached params (host arrays); with `abstract_params` and `shardings` (matching trees),
+    global arrays at those shardings, of which this process read and checked only the 8 MiB
+    chunks that hold its devices' parts. Nothing is used before its chunk's hash matched."""
+    targets = None
+    if abstract_params is not None:
+        targets = _param_cache.flatten(quant.to_plain(jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_params, shardings))[0])
+        meta, flat = _param_cache.read_regions(ckpt_dir, (_CONFIG, _QUANTIZED),
+                                               _param_cache.device_regions(targets))
+    else:
+        meta, flat = _param_cache.read(ckpt_dir, (_CONFIG, _QUANTIZED))
+    if _json(meta, _CONFIG) != json.loads(json.dumps(dataclasses.asdict(config))):
         raise CacheError("cached config differs from the checkpoint's")
-    return _restore_arrays(ckpt_dir, config, abstract_params, shardings)
+    params = _tree(meta, flat, config)
+    if targets is None:
+        return params
+    if set(flat) != set(targets):
+        raise CacheError("the cached arrays are not the ones this load places")
+    placed = {}
+    for k, t in targets.items():
+        if flat[k].dtype != t.dtype:
+            raise CacheError(f"{k} is cached as {flat[k].dtype}, expected {t.dtype}")
+        placed[k] = jax.make_array_from_callback(t.shape, t.sharding, lambda index, a=flat[k]: a[index])
+    return quant.from_plain(_param_cache.unflatten(placed), _json(meta, _QUANTIZED))
 
 
 def _restore_model(ckpt_dir: pathlib.Path):
-    """(config, params, tokenizer) from the cache alone, every file checked first (`_verify`)."""
+    """(config, host params, tokenizer) from the cache alone, every byte checked first. The
+    config and tokenizer are built, and the device started, while the weights are read."""
     from specjax.models import tokenizer as tokenizer_lib
 
-    _verify(ckpt_dir)
-    saved = _read_metadata(ckpt_dir, "config.json")
+    built = {}
+
+    def during(meta):
+        saved = _json(meta, _CONFIG)
+        try:
+            config = Config(**{**saved, "rope_scaling": saved["rope_scaling"] and RopeScaling(**saved["rope_scaling"]),
+                               "rope_freq_factors": saved["rope_freq_factors"] and tuple(saved["rope_freq_factors"]),
+                               "eos_token_ids": tuple(saved["eos_token_ids"])})
+        except (TypeError, KeyError, LoadError) as e:
+            raise CacheError(f"config.json is not a config: {e}") from None
+        if json.loads(json.dumps(dataclasses.asdict(config))) != saved:
+            raise CacheError("config.json does not round-trip to the same config")
+        state = _json(meta, _TOKENIZER)
+        try:
+            built["tokenizer"] = None if state is None else tokenizer_lib.Tokenizer.from_state(state)
+        except ValueError as e:
+            raise CacheError(f"{_TOKENIZER}: {e}") from None
+        built["config"] = config
+        jax.devices()  # the backend's start, which the arrays' placement would wait for
+
+    meta, flat = _param_cache.read(ckpt_dir, (_CONFIG, _QUANTIZED, _TOKENIZER), during)
+    return built["config"], _tree(meta, flat, built["config"]), built["tokenizer"]
+
+
+def _json(meta: dict, name: str):
     try:
-        config = Config(**{**saved, "rope_scaling": saved["rope_scaling"] and RopeScaling(**saved["rope_scaling"]),
-                           "rope_freq_factors": saved["rope_freq_factors"] and tuple(saved["rope_freq_factors"]),
-                           "eos_token_ids": tuple(saved["eos_token_ids"])})
-    except (TypeError, KeyError, LoadError) as e:
-        raise CacheError(f"config.json is not a config: {e}") from None
-    if json.loads(json.dumps(dataclasses.asdict(config))) != saved:
-        raise CacheError("config.json does not round-trip to the same config")
-    state = _read_metadata(ckpt_dir, _TOKENIZER)
-    try:
-        tokenizer = None if state is None else tokenizer_lib.Tokenizer.from_state(state)
+        return json.loads(meta[name])
     except ValueError as e:
-        raise CacheError(f"{_TOKENIZER}: {e}") from None
-    return config, _restore_arrays(ckpt_dir, config), tokenizer
-
-
-def _read_metadata(ckpt_dir: pathlib.Path, name: str):
-    try:
-        return json.loads((ckpt_dir / name).read_text())
-    except (ValueError, OSError) as e:
         raise CacheError(f"unreadable metadata {name}: {e}") from None
 
 
-def _restore_arrays(ckpt_dir: pathlib.Path, config: Config, abstract_params=None, shardings=None):
-    import orbax.checkpoint as ocp
-
-    quantized = _read_metadata(ckpt_dir, "quantized.json")
+def _tree(meta: dict, flat: dict, config: Config):
+    """The parameter tree of the flat arrays, its quantized leaves rebuilt and every shape checked."""
+    quantized = _json(meta, _QUANTIZED)
     if not isinstance(quantized, dict) or not all(
             isinstance(k, str) and isinstance(v, list) and v and all(isinstance(d, int) and d > 0 for d in v)
             for k, v in quantized.items()):
         raise CacheError("quantized.json is not a {path: shape} map")
-    target = None
-    if abstract_params is not None:
-        target = quant.to_plain(jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                             abstract_params, shardings))[0]
-    with ocp.StandardCheckpointer() as ckptr:
-        plain = ckptr.restore(ckpt_dir.resolve() / "params", target)
+    plain = _param_cache.unflatten(flat)
     try:
         params = quant.from_plain(plain, quantized)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
