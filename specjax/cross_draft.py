@@ -69,6 +69,13 @@ def split_params(params) -> tuple[Any, vocab_bridge.Bridge]:
     return {k: v for k, v in params.items() if k != BRIDGE}, params[BRIDGE]
 
 
+def draft_vocab_size(params) -> int:
+    """The draft tokenizer's vocabulary size, read from the bridge's tables in a drafter's params."""
+    bridge = params[BRIDGE]
+    table = bridge.draft_nb_Vd if bridge.algorithm == "greedy" else bridge.d2t_len_Vd
+    return int(table.shape[0])
+
+
 def make_params(draft_params, bridge: vocab_bridge.Bridge):
     """The draft model's params with the tables beside them: the Engine's native packing and
     unrolling of the draft's layers keep the extra key."""

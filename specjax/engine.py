@@ -194,7 +194,7 @@ class Engine:
                 if jax.tree.leaves(draft_params) else draft_params)
 
     # -- inputs --------------------------------------------------------------
-    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None, measure: bool = True):
+    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None, measure: bool = True, draft_prompts=None):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         V = self.target.config.vocab_size
@@ -234,7 +234,8 @@ class Engine:
         state = self._rule_state(len(prompts), rule_state)
         # host arrays: jit transfers them; the PRNG key is made inside the program
         inputs = dict(prompt_BT=prompt_BT, prompt_len_B=np.asarray(lengths, np.int32), seed=np.uint32(self.seed),
-                      rule_state=state, costs=self._costs(program, len(prompts), measure))
+                      rule_state=state, costs=self._costs(program, len(prompts), measure),
+                      draft_prompt=draft_prompt_inputs(self, draft_prompts, len(prompts), max_len))
         if self.layout is not None:  # rows split over "data" (a batch it does not divide is an error)
             self.layout.check_batch(len(prompts))
             rows = self.layout.spec("rows")
@@ -243,7 +244,9 @@ class Engine:
                                                  seed=self.layout.replicated,
                                                  costs=jax.tree.map(lambda _: self.layout.replicated,
                                                                     inputs["costs"]),
-                                                 rule_state=jax.tree.map(lambda _: self.layout.replicated, state)))
+                                                 rule_state=jax.tree.map(lambda _: self.layout.replicated, state),
+                                                 draft_prompt=(self.layout.named(rows), self.layout.named(P(rows[0])))
+                                                 if inputs["draft_prompt"] else ()))
         return program, dict(params=self.params, **inputs)
 
     def _costs(self, program: loop.Program, batch_size: int, measure: bool = True):
@@ -310,13 +313,18 @@ class Engine:
         """The padded prompt width these prompts compile for (one program per width)."""
         return prompt_width(max(len(p) for p in prompts), self.prompt_bucket)
 
-    def generate(self, prompts: Sequence[Sequence[int]], rule_state=None) -> GenerateOutput:
+    def generate(self, prompts: Sequence[Sequence[int]], rule_state=None, draft_prompts=None) -> GenerateOutput:
         """New tokens and statistics for each prompt (one compiled program for the whole batch).
 
         rule_state: the rule's starting state, e.g. the `rule_state` of an earlier output so
         that CSD's memory keeps what earlier calls taught it (default: the memory given at
-        construction, else the rule's fresh state)."""
-        program, args = self._prepare(prompts, rule_state)
+        construction, else the rule's fresh state).
+        draft_prompts: for a draft of another vocabulary only (docs/cross_vocab.md): per row, the
+        same conversation in the draft's own ids, e.g. rendered by its own chat template
+        (`draft.tokenizer.apply_chat_template(messages)`, encoded), where the draft otherwise reads
+        the translation of `prompts`. It changes what the draft proposes, never what exact
+        verification emits. Checked: one per prompt, ids in the draft's vocabulary."""
+        program, args = self._prepare(prompts, rule_state, draft_prompts=draft_prompts)
         out = jax.device_get(program.run(**args))
         tokens = [out.seq_BS[b, len(p): len(p) + out.num_out_B[b]].tolist() for b, p in enumerate(prompts)]
         stats = loop.statistics(out.counters, out.rule_state)
@@ -326,10 +334,10 @@ class Engine:
             stats["mean_width"] = float((widths * np.arange(widths.size)).sum() / max(int(widths.sum()), 1))
         return flag_invalid(GenerateOutput(tokens, stats, out.rule_state))
 
-    def lower(self, prompts: Sequence[Sequence[int]], rule_state=None) -> jax.stages.Lowered:
+    def lower(self, prompts: Sequence[Sequence[int]], rule_state=None, draft_prompts=None) -> jax.stages.Lowered:
         """The whole generation for these prompts' shapes, lowered (`.compile()` fills the cache
         that `generate` reads)."""
-        program, args = self._prepare(prompts, rule_state, measure=False)
+        program, args = self._prepare(prompts, rule_state, measure=False, draft_prompts=draft_prompts)
         return loop.Program.run.lower(program, **args)
 
 
@@ -455,6 +463,43 @@ def cache_configs(engine: Engine) -> list:
     drafter = getattr(engine.drafter, "model", engine.drafter)  # MultiLevel holds its model drafter
     draft = getattr(drafter, "config", None)
     return [engine.target.config] + ([draft] if draft is not None else [])
+
+
+def draft_prompt_inputs(engine: Engine, draft_prompts, rows: int, max_len: int):
+    """`generate`'s draft_prompts as the program's input: () when None, else (ids right-padded to
+    a prompt width, lengths); one clear error for a draft that reads the target's prompt, a count
+    of rows that differs, or ids outside the draft's vocabulary or longer than its cache."""
+    if draft_prompts is None:
+        return ()
+    from specjax import cross_draft
+
+    drafter = engine.drafter
+    if not isinstance(drafter, cross_draft.CrossVocabDrafter):
+        what = "no draft" if drafter is None else f"the draft {drafter.name!r}, which shares the target's vocabulary"
+        raise ValueError(f"draft_prompts is for a draft of another vocabulary (its own ids); this engine has {what}: "
+                         "it reads the target's prompt, so pass draft_prompts=None")
+    if isinstance(draft_prompts, (str, bytes)) or not isinstance(draft_prompts, Sequence) or len(draft_prompts) != rows:
+        n = len(draft_prompts) if isinstance(draft_prompts, Sequence) else type(draft_prompts).__name__
+        raise ValueError(f"draft_prompts must be a list of one draft prompt per prompt ({rows}), got {n}")
+    V = cross_draft.draft_vocab_size(engine.params.draft)
+    Sd = drafter.draft_len(max_len)
+    lengths = []
+    for i, p in enumerate(draft_prompts):
+        arr = np.asarray(p) if isinstance(p, (Sequence, np.ndarray)) and not isinstance(p, (str, bytes)) else None
+        if arr is None or arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"draft prompt {i} must be a non-empty flat list of the draft's token ids, got {p!r:.60}")
+        if arr.min() < 0 or arr.max() >= V:
+            raise ValueError(f"draft prompt {i} has token ids outside the draft's vocabulary [0, {V}) (ids of the "
+                             "target's vocabulary? they go in prompts)")
+        if arr.size > Sd:
+            raise ValueError(f"draft prompt {i} has {arr.size} ids, more than the draft's cache of {Sd} positions "
+                             f"(max_len {max_len})")
+        lengths.append(arr.size)
+    width = min(prompt_width(max(lengths), engine.prompt_bucket), Sd)
+    ids_BT = np.zeros((rows, width), np.int32)
+    for i, p in enumerate(draft_prompts):
+        ids_BT[i, :lengths[i]] = p
+    return ids_BT, np.asarray(lengths, np.int32)
 
 
 def flag_invalid(out: GenerateOutput) -> GenerateOutput:

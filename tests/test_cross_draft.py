@@ -136,9 +136,10 @@ def test_on_a_mesh_the_same_tokens(pair, prompts):
     four = prompts + prompts[:1]
     base = specjax.Engine(target, max_new_tokens=8, eos_ids=()).generate(four).tokens
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    out = specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=8, eos_ids=(),
-                         mesh=mesh).generate(four)
-    assert out.tokens == base
+    engine = specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=8, eos_ids=(), mesh=mesh)
+    assert engine.generate(four).tokens == base
+    own = [draft.tokenizer.encode("<|im_start|>user\n" + t) for t in TEXTS + TEXTS[:1]]
+    assert engine.generate(four, draft_prompts=own).tokens == base  # the draft's prompts split over "data" too
 
 
 @pytest.mark.qwen
@@ -206,3 +207,38 @@ def test_a_draft_prompt_in_the_drafts_own_rendering_replaces_the_translation(pai
         assert int(state.t_sync_B[b]) == L[b] + 1
         got = _bytes(draft.tokenizer, np.asarray(state.dseq_BSd[b, :int(state.d_len_B[b])]))
         assert got == _bytes(draft.tokenizer, own[b]) + _bytes(target.tokenizer, new)
+
+
+def test_generate_takes_the_drafts_own_prompts_and_exact_stays_target_only(pair, prompts):
+    """Engine.generate(prompts, draft_prompts=...): the draft reads its own rendering of each row (here another
+    markup, and random ids) and exact verification still emits target-only's tokens; bad draft prompts are
+    refused with one error naming the problem, before anything compiles."""
+    target, draft = pair
+    base = specjax.Engine(target, max_new_tokens=12, eos_ids=()).generate(prompts).tokens
+    engine = specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=12, eos_ids=(), max_len=64)
+    own = [draft.tokenizer.encode("<|im_start|>user\n" + t) for t in TEXTS]
+    rng = np.random.default_rng(0)
+    noise = [rng.integers(0, draft.tokenizer.vocab_size, size=n).tolist() for n in (3, 40, 9)]  # ragged, longer
+    full = [[5] * engine.drafter.draft_len(64)] * 3  # fills the draft's cache: no row can propose
+    outs = {}
+    for name, dp in (("translated", None), ("own", own), ("noise", noise), ("full", full)):
+        outs[name] = engine.generate(prompts, draft_prompts=dp)
+        assert outs[name].tokens == base, name
+    # the draft's prompt reaches the draft (random models accept nothing, so its length shows it): with a
+    # full cache every round is a plain step of width 1, otherwise every round verifies a proposal
+    assert outs["full"].stats["widths"][1] == outs["full"].stats["rounds"] > 0
+    assert all(outs[name].stats["widths"][1] == 0 for name in ("translated", "own", "noise"))
+    Vd = draft.tokenizer.vocab_size
+    for bad, match in (([own[0]], r"one draft prompt per prompt \(3\), got 1"),
+                       ("abc", "one draft prompt per prompt"),
+                       ([own[0], own[1], [1, Vd]], rf"draft prompt 2 has token ids outside the draft's vocabulary \[0, {Vd}\)"),
+                       ([own[0], [], own[2]], "draft prompt 1 must be a non-empty flat list"),
+                       ([own[0], own[1], [[1, 2]]], "draft prompt 2 must be a non-empty flat list"),
+                       ([own[0], own[1], [1] * 10_000], r"draft prompt 2 has 10000 ids, more than the draft's cache")):
+        with pytest.raises(ValueError, match=match):
+            engine.generate(prompts, draft_prompts=bad)
+    with pytest.raises(ValueError, match="draft_prompts is for a draft of another vocabulary.*no draft"):
+        specjax.Engine(target, max_new_tokens=4).generate(prompts, draft_prompts=own)
+    same = _model(target.tokenizer, 3, layers=1)
+    with pytest.raises(ValueError, match="shares the target's vocabulary"):
+        specjax.Engine(target, draft=same, k=2, max_new_tokens=4).generate(prompts, draft_prompts=own)
