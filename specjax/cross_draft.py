@@ -120,6 +120,15 @@ class CrossVocabDrafter:
     def draft_len(self, max_len: int) -> int:
         return -(-math.ceil(self.len_ratio * max_len) // 16) * 16
 
+    def state_bytes(self, batch: int, max_len: int) -> int:
+        """Bytes of the state `init` allocates for a program of `max_len` (eval_shape: no work): the
+        draft's KV cache and id text at `draft_len(max_len)` positions, and the per-row counters."""
+        Sd = self.draft_len(max_len)
+        cache = jax.eval_shape(lambda: llama.init_cache(self.config, batch, Sd, self.dtype))
+        leaves = jax.tree.leaves(cache) + [jax.ShapeDtypeStruct((batch, Sd), jnp.int32)] + [
+            jax.ShapeDtypeStruct((batch,), jnp.int32)] * 2
+        return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
     # -- Drafter ---------------------------------------------------------------------------
 
     def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None,

@@ -222,7 +222,8 @@ class Engine:
         llama.check_positions("Engine", self.target.config, longest + self.max_new_tokens,
                               "longest prompt + max_new_tokens")
         if self.layout is None or not self.layout.deviceless:  # AOT for a TPU topology: its compiler checks HBM
-            cache_fits(cache_configs(self), self.target.dtype, len(prompts), max_len, self.max_new_tokens)
+            cache_fits(cache_configs(self), self.target.dtype, len(prompts), max_len, self.max_new_tokens,
+                       extra_bytes=draft_state_bytes(self, len(prompts), max_len))
         T = min(width, max_len)
         prompt_BT = np.zeros((len(prompts), T), np.int32)
         for i, p in enumerate(prompts):
@@ -445,24 +446,37 @@ def _bytes_per_position(configs: tuple, dtype, batch: int) -> int:
     return batch * 4 + sum(nbytes(c, 2) - nbytes(c, 1) for c in configs)
 
 
-def cache_fits(configs, dtype, batch: int, max_len: int, max_new_tokens: int) -> None:
-    """Refuses, before compiling, KV caches (and the token buffer) larger than the memory left."""
+def cache_fits(configs, dtype, batch: int, max_len: int, max_new_tokens: int, extra_bytes: int = 0) -> None:
+    """Refuses, before compiling, KV caches (and the token buffer) larger than the memory left.
+
+    extra_bytes: what else grows with max_len (a draft of another vocabulary's state, sized by
+    itself: `draft_state_bytes`)."""
     per_position = _bytes_per_position(tuple(configs), dtype, batch)
-    need = per_position * max_len
+    need = per_position * max_len + extra_bytes
     free, where = available_bytes()
     budget = int(0.9 * free)  # XLA's temporaries need some room too
     if need > budget:
-        fits = max(0, budget // per_position - (max_len - max_new_tokens) - 64)
+        slope = -(-need // max_len)  # bytes per position of max_len, the extra included
+        fits = max(0, budget // slope - (max_len - max_new_tokens) - 64)
         raise ValueError(f"Engine: max_new_tokens={max_new_tokens} needs caches of max_len {max_len} for a batch "
                          f"of {batch}: {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free in "
                          f"{where}; at most about max_new_tokens={fits} fits (or use a smaller batch)")
 
 
 def cache_configs(engine: Engine) -> list:
-    """The configs whose KV caches a generation allocates: the target's and a draft model's."""
+    """The configs whose KV caches of max_len positions a generation allocates: the target's and a
+    draft model's of the target's vocabulary (one of another vocabulary sizes its own cache,
+    longer than max_len: `draft_state_bytes`)."""
     drafter = getattr(engine.drafter, "model", engine.drafter)  # MultiLevel holds its model drafter
-    draft = getattr(drafter, "config", None)
+    draft = None if hasattr(drafter, "state_bytes") else getattr(drafter, "config", None)
     return [engine.target.config] + ([draft] if draft is not None else [])
+
+
+def draft_state_bytes(engine: Engine, batch: int, max_len: int) -> int:
+    """Bytes of a drafter's state that sizes itself (`CrossVocabDrafter.state_bytes`: its cache is
+    1.25 x max_len); 0 for the others, whose caches `cache_configs` counts at max_len."""
+    drafter = getattr(engine.drafter, "model", engine.drafter)
+    return drafter.state_bytes(batch, max_len) if hasattr(drafter, "state_bytes") else 0
 
 
 def draft_prompt_inputs(engine: Engine, draft_prompts, rows: int, max_len: int):

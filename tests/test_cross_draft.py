@@ -242,3 +242,35 @@ def test_generate_takes_the_drafts_own_prompts_and_exact_stays_target_only(pair,
     same = _model(target.tokenizer, 3, layers=1)
     with pytest.raises(ValueError, match="shares the target's vocabulary"):
         specjax.Engine(target, draft=same, k=2, max_new_tokens=4).generate(prompts, draft_prompts=own)
+
+
+def test_the_memory_check_counts_the_drafts_cache_as_allocated(pair, prompts, monkeypatch):
+    """The cross draft's cache is draft_len(max_len) = 1.25 x max_len positions: its state_bytes equals what
+    init really allocates, and the Engine's memory check refuses a budget that a count at max_len would pass."""
+    from specjax import engine as engine_mod
+    from specjax.sharding import memory_report
+
+    target, draft = pair
+    max_len = 64
+    engine = specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=8, max_len=max_len, eos_ids=())
+    drafter, B = engine.drafter, len(prompts)
+    assert drafter.draft_len(max_len) == 80
+    sds = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
+    state = jax.eval_shape(lambda p: drafter.init(p, jnp.zeros((B, 16), jnp.int32), jnp.full((B,), 5, jnp.int32),
+                                                  max_len), jax.tree.map(sds, engine.params.draft))
+    allocated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert drafter.state_bytes(B, max_len) == allocated
+    assert 80 in state.cache.k.shape and state.dseq_BSd.shape == (B, 80)
+    # what the check counted before: both configs' caches at max_len (the draft's 20 % short)
+    at_max_len = engine_mod._bytes_per_position((target.config, draft.config), target.dtype, B) * max_len
+    now = engine_mod._bytes_per_position((target.config,), target.dtype, B) * max_len + allocated
+    assert now > at_max_len
+    free = int((at_max_len + now) / 2 / 0.9)  # the old count fits this budget, the real one does not
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda: (free, "test memory"))
+    with pytest.raises(ValueError, match="more than the .* free in test memory"):
+        engine.generate(prompts)
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda: (int(now / 0.9) + 1, "test memory"))
+    engine.lower(prompts)  # exactly enough: the check passes
+    # the memory report (AOT planning) counts the same cache
+    cache = jax.eval_shape(lambda: state.cache)
+    assert memory_report(engine, B, max_len)["draft_cache"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
