@@ -69,7 +69,8 @@ def test_every_rule_runs(pair, prompts, method, temperature):
 
 def test_the_draft_context_follows_the_committed_text_and_proposals_continue_it(pair, prompts):
     """Driving the drafter by hand: after every round the draft's ids spell exactly the target's committed
-    bytes, and the proposal spells the draft model's own greedy continuation of them (a prefix of it)."""
+    bytes, and the proposal spells the draft model's own greedy continuation of them (a prefix of it),
+    also after rounds that accepted the last proposal (whose cached ids the feed does not recompute)."""
     target, draft = pair
     K = 3
     drafter, params = drafters.from_spec(draft, target, K)
@@ -80,15 +81,24 @@ def test_the_draft_context_follows_the_committed_text_and_proposals_continue_it(
     lens = np.asarray([len(p) for p in prompts], np.int32)
     state = jax.jit(lambda pr, ln: drafter.init(params, pr, ln, S))(jnp.asarray(seq[:, :T]), jnp.asarray(lens))
     propose = jax.jit(lambda st, s, L: drafter.propose(params, st, s, L, jax.random.PRNGKey(0), 0.0))
+    _, bridge = cross_draft.split_params(params)
+    agreed = jax.jit(lambda st, s, L: drafter.agreed(drafter.sync(bridge, st, s, L + 1), st.d_len_B,
+                                                     st.dseq_BSd.shape[1]))
     rng = np.random.default_rng(0)
     filler = target.tokenizer.encode(" return x + y  # done\n" * 3)
     L = lens.copy()  # pending token at L: the prompt's tokens then one more each round
-    for round_ in range(5):
+    reused = 0
+    for round_ in range(7):
         for b in range(B):
-            step = int(rng.integers(1, K + 2)) if round_ else 0  # 1 .. K + 1 tokens committed per round
-            seq[b, L[b] + 1: L[b] + 1 + step] = filler[round_ * 2: round_ * 2 + step]
+            if round_ and (round_ + b) % 2:  # the last proposal accepted whole: its cached ids are reused
+                step = int(num_B[b]) + 1
+                seq[b, L[b] + 1: L[b] + step] = np.asarray(ids_BK[b, :step - 1])
+            else:
+                step = int(rng.integers(1, K + 2)) if round_ else 0  # 1 .. K + 1 tokens committed per round
+                seq[b, L[b] + 1: L[b] + 1 + step] = filler[round_ * 2: round_ * 2 + step]
             L[b] += step
             seq[b, L[b]] = filler[(round_ + b) % len(filler)]  # the pending token
+        reused += int(np.sum(agreed(state, jnp.asarray(seq), jnp.asarray(L))))
         ids_BK, num_B, probs, state = propose(state, jnp.asarray(seq), jnp.asarray(L))
         assert probs is None
         for b in range(B):
@@ -105,6 +115,7 @@ def test_the_draft_context_follows_the_committed_text_and_proposals_continue_it(
                 logits = np.asarray(draft.logits(buf))[0, d_len + len(cont) - 1]
                 cont.append(int(np.argmax(logits)))
             assert _bytes(draft.tokenizer, cont).startswith(_bytes(target.tokenizer, ids_BK[b, :n]))
+    assert reused > 0  # the rounds that accepted a proposal fed only what the cache lacked
 
 
 def test_a_tokenizer_that_cannot_be_mapped_is_refused_naming_both(pair):
