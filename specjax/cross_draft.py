@@ -37,7 +37,9 @@ Lengths: the draft's cache holds `draft_len` = ceil(`len_ratio` * max_len) posit
 smaller vocabulary spends more tokens on the same text; 1.25 by default), and its prefill reads the
 first ceil(`prompt_ratio` * T) draft ids of the translated prompt (the rest, if any, is caught up a
 window per round, proposing nothing meanwhile). A row whose draft context would outgrow the cache
-stops proposing (its rounds are plain decoding steps), never writes out of bounds.
+stops proposing (its rounds are plain decoding steps), never writes out of bounds. `state_bytes`
+is what the state takes (the Engine's memory check counts it). A caller's own draft prompt
+(`Engine.generate(..., draft_prompts=)`) replaces the translated one: `init`'s draft_prompt_BT.
 """
 
 from __future__ import annotations

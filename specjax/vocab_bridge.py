@@ -60,9 +60,14 @@ way, 1.0 by construction): greedy takes the longest entry where BPE's merge orde
   committed target tokens translated back with `target_to_draft`, which is what the draft's cache
   must hold anyway after verification).
 
+**On disk.** `build_bridge` keeps the tables under `specjax.models.presets.cache_dir()/vocab_bridge/`,
+in one file per pair named by a hash of both tokenizers' serialized state (`cache_path`), written
+atomically with the SHA-256 of its contents in front; a damaged file is warned about and rebuilt, an
+unwritable cache only warned about.
+
 `check_bridgeable` refuses, before anything is built or compiled, a tokenizer that is missing or not
 a byte-level BPE, naming both models. The module is over 450 lines because it holds both
-algorithms, their host-side table builders (which share the byte helpers), the whole-token sync the
+algorithms, their host-side table builders (which share the byte helpers) and their file on disk, the whole-token sync the
 cross-vocabulary drafter reads (`sync_to_draft`), and the tables' shapes for planning (`AbstractVocab`).
 """
 
