@@ -153,3 +153,64 @@ def _texts() -> dict[str, list[str]]:
     return {"HumanEval prompts": [p["prompt"] for p in problems],
             "HumanEval prompt + solution": [p["prompt"] + p["canonical_solution"] for p in problems],
             "MT-Bench first turns": data.mtbench_questions()}
+
+
+def speed(target_name: str, draft_name: str, *, prompts: int = 4, max_new_tokens: int = 96, k: int = 8,
+          reps: int = 3, against: str | None = None) -> None:
+    """Tokens/s of target-only decoding and of the cross-vocabulary draft (exact, greedy, batch 1), one
+    engine after the other within each repetition (interleaved: the machine's load falls on all alike);
+    medians per engine. `against`: a git revision whose specjax/cross_draft.py runs as a third engine
+    (its drafter class in place of this one's), to measure a change of the drafter on the same load."""
+    import importlib.util
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import numpy as np
+
+    import specjax
+    from experiments import data
+    from specjax import models
+
+    target, draft = models.load(target_name), models.load(draft_name)
+    texts = data.humaneval_messages(prompts // 2 + prompts % 2) + data.mtbench_questions(prompts // 2)
+    rows = [target.tokenizer.chat_prompt_ids(t) for t in texts]
+    engines = {"target-only": specjax.Engine(target, max_new_tokens=max_new_tokens),
+               "cross exact": specjax.Engine(target, draft=draft, method="exact", k=k, max_new_tokens=max_new_tokens)}
+    if against:
+        source = subprocess.run(["git", "show", f"{against}:specjax/cross_draft.py"], capture_output=True,
+                                text=True, check=True).stdout
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write(source)
+        spec = importlib.util.spec_from_file_location("cross_draft_" + against.replace("/", "_"), f.name)
+        old = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = old
+        spec.loader.exec_module(old)
+        engine = specjax.Engine(target, draft=draft, method="exact", k=k, max_new_tokens=max_new_tokens)
+        d = engine.drafter
+        engine.drafter = old.CrossVocabDrafter(d.config, d.k, d.dtype, d.name, lookup=d.lookup)
+        engines[f"cross exact @ {against}"] = engine
+    outputs = {}
+    for name, engine in engines.items():  # compile (and measure the adaptive costs) outside the timings
+        start = time.perf_counter()
+        outputs[name] = [engine.generate([p]) for p in rows]
+        print(f"{name}: first pass {time.perf_counter() - start:.0f} s", flush=True)
+    base = [o.tokens for o in outputs["target-only"]]
+    for name, outs in outputs.items():
+        assert [o.tokens for o in outs] == base, f"{name}: not target-only's tokens"
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    taus: dict[str, float] = {}
+    for _ in range(reps):
+        for name, engine in engines.items():
+            tokens, start = 0, time.perf_counter()
+            for p in rows:
+                tokens += len(engine.generate([p]).tokens[0])
+            rates[name].append(tokens / (time.perf_counter() - start))
+            taus[name] = np.mean([o.stats.get("tau", 1.0) for o in outputs[name]])
+    print(f"\n{len(rows)} prompts (HumanEval, MT-Bench chat), {max_new_tokens} new tokens, K = {k}, greedy, "
+          f"batch 1, {reps} interleaved repetitions; outputs equal target-only's\n")
+    print("| engine | tau | tokens/s (median) | per repetition |")
+    print("|---|---|---|---|")
+    for name, r in rates.items():
+        print(f"| {name} | {taus[name]:.2f} | {np.median(r):.2f} | {', '.join(f'{x:.2f}' for x in r)} |")

@@ -15,7 +15,10 @@ Each round, `propose`:
    caught up, so a proposal always continues the committed text);
 2. *feed*: runs the draft over its new ids from one position before them (that position is already
    in its cache: recomputing it is idempotent, and it yields the logits of the next id when nothing
-   new came). Entries past the row's draft length are stale, masked by position, never erased;
+   new came). New ids that repeat the last proposal's (the accepted part, translated back) are in
+   the cache already, written by step 3 of the last round: the feed starts after them, so a round
+   whose accepted tokens round-trip feeds two ids, as a same-vocabulary draft does. Entries past
+   the row's draft length are stale, masked by position, never erased;
 3. *draft*: `draft_steps` greedy steps of the draft (default K);
 4. *translate*: `vocab_bridge.draft_to_target` re-cuts the proposal's bytes into at most K target
    ids; num_draft is how many it made.
@@ -34,7 +37,9 @@ Lengths: the draft's cache holds `draft_len` = ceil(`len_ratio` * max_len) posit
 smaller vocabulary spends more tokens on the same text; 1.25 by default), and its prefill reads the
 first ceil(`prompt_ratio` * T) draft ids of the translated prompt (the rest, if any, is caught up a
 window per round, proposing nothing meanwhile). A row whose draft context would outgrow the cache
-stops proposing (its rounds are plain decoding steps), never writes out of bounds.
+stops proposing (its rounds are plain decoding steps), never writes out of bounds. `state_bytes`
+is what the state takes (the Engine's memory check counts it). A caller's own draft prompt
+(`Engine.generate(..., draft_prompts=)`) replaces the translated one: `init`'s draft_prompt_BT.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class CrossState:
     dseq_BSd: jax.Array  # int32[B, Sd]: the committed text in draft ids (its first d_len_B[b] entries)
     t_sync_B: jax.Array  # int32[B]: target tokens of seq_BS translated into dseq so far
     d_len_B: jax.Array  # int32[B]: draft ids they became; the cache holds positions < d_len_B
+    prop_BD: jax.Array  # int32[B, Kd]: the last proposal's draft ids; slots < Kd - 1 are cached at d_len_B + slot
 
 
 BRIDGE = "bridge"  # the params key of the tables (specjax.sharding replicates what lies under it)
@@ -67,6 +73,13 @@ BRIDGE = "bridge"  # the params key of the tables (specjax.sharding replicates w
 def split_params(params) -> tuple[Any, vocab_bridge.Bridge]:
     """(the draft model's params, the bridge tables) of a CrossVocabDrafter's params."""
     return {k: v for k, v in params.items() if k != BRIDGE}, params[BRIDGE]
+
+
+def draft_vocab_size(params) -> int:
+    """The draft tokenizer's vocabulary size, read from the bridge's tables in a drafter's params."""
+    bridge = params[BRIDGE]
+    table = bridge.draft_nb_Vd if bridge.algorithm == "greedy" else bridge.d2t_len_Vd
+    return int(table.shape[0])
 
 
 def make_params(draft_params, bridge: vocab_bridge.Bridge):
@@ -113,6 +126,16 @@ class CrossVocabDrafter:
     def draft_len(self, max_len: int) -> int:
         return -(-math.ceil(self.len_ratio * max_len) // 16) * 16
 
+    def state_bytes(self, batch: int, max_len: int) -> int:
+        """Bytes of the state `init` allocates for a program of `max_len` (eval_shape: no work): the
+        draft's KV cache and id text at `draft_len(max_len)` positions, and the per-row counters."""
+        Sd = self.draft_len(max_len)
+        cache = jax.eval_shape(lambda: llama.init_cache(self.config, batch, Sd, self.dtype))
+        leaves = jax.tree.leaves(cache) + [jax.ShapeDtypeStruct((batch, Sd), jnp.int32),
+                                           jax.ShapeDtypeStruct((batch, self.kd), jnp.int32)] + [
+            jax.ShapeDtypeStruct((batch,), jnp.int32)] * 2
+        return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
     # -- Drafter ---------------------------------------------------------------------------
 
     def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None,
@@ -134,7 +157,8 @@ class CrossVocabDrafter:
         # the whole translated prompt into the cache (positions past count_B are stale: masked later)
         _, cache = llama.forward_cached(self.config, model_params, ids_BC, cache, dtype=self.dtype,
                                         select_BJ=jnp.maximum(count_B - 1, 0)[:, None], backend=backend)
-        return CrossState(cache=cache._replace(lengths=count_B), dseq_BSd=dseq_BSd, t_sync_B=adv_B, d_len_B=count_B)
+        return CrossState(cache=cache._replace(lengths=count_B), dseq_BSd=dseq_BSd, t_sync_B=adv_B, d_len_B=count_B,
+                          prop_BD=jnp.full((B, self.kd), -1, jnp.int32))  # -1: no proposal yet, no id agrees
 
     def observe(self, state, features_BRD, base_B):
         return state
@@ -157,8 +181,11 @@ class CrossVocabDrafter:
         else:
             Kp = 0
             pd_BP, mp_B = jnp.zeros((B, 0), jnp.int32), jnp.zeros((B,), jnp.int32)
-        # feed [dseq[p0 .. d_len - 1], pd] at positions p0 .. ; p0 = one before the new ids
-        p0_B = jnp.maximum(old_len_B - 1, 0)
+        # feed [dseq[p0 .. d_len - 1], pd] at positions p0 .. ; p0 = one before the new ids that the cache
+        # lacks: the last proposal's ids are cached from old_len on, so the new ids that repeat them (the
+        # accepted part, when the round trip through the target's ids gives the draft's own ids back)
+        # need no recomputing, and a round usually feeds two ids, as a same-vocabulary draft does
+        p0_B = jnp.maximum(old_len_B + self.agreed(state, old_len_B, Sd) - 1, 0)
         W = self.cap + 1 + Kp
         t_BJ, cache = self.feed(model_params, state, p0_B, d_len_B, pd_BP, W, backend)
         j_D = jnp.arange(Kd)
@@ -176,9 +203,20 @@ class CrossVocabDrafter:
             bridge, d_BD, jnp.int32(Kd), K)
         fits_B = d_len_B + Kd + W <= Sd  # the next round's feed and this round's steps stay in the cache
         num_draft_B = jnp.where(caught_up_B & fits_B & (d_len_B > 0), count_B, 0).astype(jnp.int32)
-        return ids_BK, num_draft_B, None, state.replace(cache=cache._replace(lengths=d_len_B))
+        return ids_BK, num_draft_B, None, state.replace(cache=cache._replace(lengths=d_len_B), prop_BD=d_BD)
 
     # -- pieces ----------------------------------------------------------------------------
+
+    def agreed(self, state: CrossState, old_len_B, Sd: int):
+        """How many of each row's ids synced this round (from old_len) equal the last proposal's first
+        ids, whose keys and values the draft's cache already holds at those positions (slots < Kd - 1;
+        the last slot was never fed). 0 where the proposal ran past the cache's end."""
+        Kd = self.kd
+        j_D = jnp.arange(Kd - 1)
+        new_BD = jnp.take_along_axis(state.dseq_BSd, jnp.minimum(old_len_B[:, None] + j_D[None], Sd - 1), axis=1)
+        same_BD = (new_BD == state.prop_BD[:, :Kd - 1]) & (old_len_B[:, None] + j_D[None] < state.d_len_B[:, None])
+        m_B = jnp.sum(jnp.cumprod(same_BD, axis=1), axis=1).astype(jnp.int32)
+        return jnp.where(old_len_B + Kd <= Sd, m_B, 0)
 
     def sync(self, bridge, state: CrossState, seq_BS, committed_B) -> CrossState:
         """Translates up to `window` committed target tokens past each row's sync point into draft ids."""
@@ -196,8 +234,8 @@ class CrossVocabDrafter:
 
     def feed(self, model_params, state: CrossState, p0_B, d_len_B, pd_BP, W: int, backend):
         """Runs the draft over [dseq[p0 .. d_len - 1], pd] from position p0: (its greedy choices after
-        the context and after each of pd, int32[B, P + 1], the cache). Compiled at two widths: the
-        narrow one (K + 2 + P) covers a round's usual new ids at a fraction of the full (W) cost."""
+        the context and after each of pd, int32[B, P + 1], the cache). Compiled at three widths
+        (a forward's cost on a CPU grows with its width): 2 + P, K + 2 + P and W (see the ladder)."""
         Sd, Kp = state.dseq_BSd.shape[1], pd_BP.shape[1]
         need = jnp.max(d_len_B - p0_B) + Kp
 
@@ -217,10 +255,13 @@ class CrossVocabDrafter:
                 return jnp.argmax(logits_BJV, axis=-1).astype(jnp.int32), cache
             return run
 
-        narrow = self.k + 2 + Kp
-        if narrow >= W:
+        # the ladder of widths: 2 (+ P) is a round whose accepted ids were cached (the correction and
+        # the id before it), K + 2 (+ P) a round's usual new ids, W all of them
+        widths = sorted({min(w, W) for w in (2 + Kp, self.k + 2 + Kp, W)})
+        if len(widths) == 1:
             return at(W)(state.cache)
-        return jax.lax.cond(need <= narrow, at(narrow), at(W), state.cache)
+        index = jnp.sum(need > jnp.asarray(widths[:-1])).astype(jnp.int32)
+        return jax.lax.switch(index, [at(w) for w in widths], state.cache)
 
     def extend(self, model_params, d_BD, c_B, d_len_B, cache, backend):
         """Fills draft slots c_B .. Kd - 1 of each row with the draft's greedy choices, one step at a

@@ -194,7 +194,7 @@ class Engine:
                 if jax.tree.leaves(draft_params) else draft_params)
 
     # -- inputs --------------------------------------------------------------
-    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None, measure: bool = True):
+    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None, measure: bool = True, draft_prompts=None):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         V = self.target.config.vocab_size
@@ -222,7 +222,8 @@ class Engine:
         llama.check_positions("Engine", self.target.config, longest + self.max_new_tokens,
                               "longest prompt + max_new_tokens")
         if self.layout is None or not self.layout.deviceless:  # AOT for a TPU topology: its compiler checks HBM
-            cache_fits(cache_configs(self), self.target.dtype, len(prompts), max_len, self.max_new_tokens)
+            cache_fits(cache_configs(self), self.target.dtype, len(prompts), max_len, self.max_new_tokens,
+                       extra_bytes=draft_state_bytes(self, len(prompts), max_len))
         T = min(width, max_len)
         prompt_BT = np.zeros((len(prompts), T), np.int32)
         for i, p in enumerate(prompts):
@@ -234,7 +235,8 @@ class Engine:
         state = self._rule_state(len(prompts), rule_state)
         # host arrays: jit transfers them; the PRNG key is made inside the program
         inputs = dict(prompt_BT=prompt_BT, prompt_len_B=np.asarray(lengths, np.int32), seed=np.uint32(self.seed),
-                      rule_state=state, costs=self._costs(program, len(prompts), measure))
+                      rule_state=state, costs=self._costs(program, len(prompts), measure),
+                      draft_prompt=draft_prompt_inputs(self, draft_prompts, len(prompts), max_len))
         if self.layout is not None:  # rows split over "data" (a batch it does not divide is an error)
             self.layout.check_batch(len(prompts))
             rows = self.layout.spec("rows")
@@ -243,7 +245,9 @@ class Engine:
                                                  seed=self.layout.replicated,
                                                  costs=jax.tree.map(lambda _: self.layout.replicated,
                                                                     inputs["costs"]),
-                                                 rule_state=jax.tree.map(lambda _: self.layout.replicated, state)))
+                                                 rule_state=jax.tree.map(lambda _: self.layout.replicated, state),
+                                                 draft_prompt=(self.layout.named(rows), self.layout.named(P(rows[0])))
+                                                 if inputs["draft_prompt"] else ()))
         return program, dict(params=self.params, **inputs)
 
     def _costs(self, program: loop.Program, batch_size: int, measure: bool = True):
@@ -310,13 +314,18 @@ class Engine:
         """The padded prompt width these prompts compile for (one program per width)."""
         return prompt_width(max(len(p) for p in prompts), self.prompt_bucket)
 
-    def generate(self, prompts: Sequence[Sequence[int]], rule_state=None) -> GenerateOutput:
+    def generate(self, prompts: Sequence[Sequence[int]], rule_state=None, draft_prompts=None) -> GenerateOutput:
         """New tokens and statistics for each prompt (one compiled program for the whole batch).
 
         rule_state: the rule's starting state, e.g. the `rule_state` of an earlier output so
         that CSD's memory keeps what earlier calls taught it (default: the memory given at
-        construction, else the rule's fresh state)."""
-        program, args = self._prepare(prompts, rule_state)
+        construction, else the rule's fresh state).
+        draft_prompts: for a draft of another vocabulary only (docs/cross_vocab.md): per row, the
+        same conversation in the draft's own ids, e.g. rendered by its own chat template
+        (`draft.tokenizer.apply_chat_template(messages)`, encoded), where the draft otherwise reads
+        the translation of `prompts`. It changes what the draft proposes, never what exact
+        verification emits. Checked: one per prompt, ids in the draft's vocabulary."""
+        program, args = self._prepare(prompts, rule_state, draft_prompts=draft_prompts)
         out = jax.device_get(program.run(**args))
         tokens = [out.seq_BS[b, len(p): len(p) + out.num_out_B[b]].tolist() for b, p in enumerate(prompts)]
         stats = loop.statistics(out.counters, out.rule_state)
@@ -326,10 +335,10 @@ class Engine:
             stats["mean_width"] = float((widths * np.arange(widths.size)).sum() / max(int(widths.sum()), 1))
         return flag_invalid(GenerateOutput(tokens, stats, out.rule_state))
 
-    def lower(self, prompts: Sequence[Sequence[int]], rule_state=None) -> jax.stages.Lowered:
+    def lower(self, prompts: Sequence[Sequence[int]], rule_state=None, draft_prompts=None) -> jax.stages.Lowered:
         """The whole generation for these prompts' shapes, lowered (`.compile()` fills the cache
         that `generate` reads)."""
-        program, args = self._prepare(prompts, rule_state, measure=False)
+        program, args = self._prepare(prompts, rule_state, measure=False, draft_prompts=draft_prompts)
         return loop.Program.run.lower(program, **args)
 
 
@@ -437,24 +446,74 @@ def _bytes_per_position(configs: tuple, dtype, batch: int) -> int:
     return batch * 4 + sum(nbytes(c, 2) - nbytes(c, 1) for c in configs)
 
 
-def cache_fits(configs, dtype, batch: int, max_len: int, max_new_tokens: int) -> None:
-    """Refuses, before compiling, KV caches (and the token buffer) larger than the memory left."""
+def cache_fits(configs, dtype, batch: int, max_len: int, max_new_tokens: int, extra_bytes: int = 0) -> None:
+    """Refuses, before compiling, KV caches (and the token buffer) larger than the memory left.
+
+    extra_bytes: what else grows with max_len (a draft of another vocabulary's state, sized by
+    itself: `draft_state_bytes`)."""
     per_position = _bytes_per_position(tuple(configs), dtype, batch)
-    need = per_position * max_len
+    need = per_position * max_len + extra_bytes
     free, where = available_bytes()
     budget = int(0.9 * free)  # XLA's temporaries need some room too
     if need > budget:
-        fits = max(0, budget // per_position - (max_len - max_new_tokens) - 64)
+        slope = -(-need // max_len)  # bytes per position of max_len, the extra included
+        fits = max(0, budget // slope - (max_len - max_new_tokens) - 64)
         raise ValueError(f"Engine: max_new_tokens={max_new_tokens} needs caches of max_len {max_len} for a batch "
                          f"of {batch}: {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB free in "
                          f"{where}; at most about max_new_tokens={fits} fits (or use a smaller batch)")
 
 
 def cache_configs(engine: Engine) -> list:
-    """The configs whose KV caches a generation allocates: the target's and a draft model's."""
+    """The configs whose KV caches of max_len positions a generation allocates: the target's and a
+    draft model's of the target's vocabulary (one of another vocabulary sizes its own cache,
+    longer than max_len: `draft_state_bytes`)."""
     drafter = getattr(engine.drafter, "model", engine.drafter)  # MultiLevel holds its model drafter
-    draft = getattr(drafter, "config", None)
+    draft = None if hasattr(drafter, "state_bytes") else getattr(drafter, "config", None)
     return [engine.target.config] + ([draft] if draft is not None else [])
+
+
+def draft_state_bytes(engine: Engine, batch: int, max_len: int) -> int:
+    """Bytes of a drafter's state that sizes itself (`CrossVocabDrafter.state_bytes`: its cache is
+    1.25 x max_len); 0 for the others, whose caches `cache_configs` counts at max_len."""
+    drafter = getattr(engine.drafter, "model", engine.drafter)
+    return drafter.state_bytes(batch, max_len) if hasattr(drafter, "state_bytes") else 0
+
+
+def draft_prompt_inputs(engine: Engine, draft_prompts, rows: int, max_len: int):
+    """`generate`'s draft_prompts as the program's input: () when None, else (ids right-padded to
+    a prompt width, lengths); one clear error for a draft that reads the target's prompt, a count
+    of rows that differs, or ids outside the draft's vocabulary or longer than its cache."""
+    if draft_prompts is None:
+        return ()
+    from specjax import cross_draft
+
+    drafter = engine.drafter
+    if not isinstance(drafter, cross_draft.CrossVocabDrafter):
+        what = "no draft" if drafter is None else f"the draft {drafter.name!r}, which shares the target's vocabulary"
+        raise ValueError(f"draft_prompts is for a draft of another vocabulary (its own ids); this engine has {what}: "
+                         "it reads the target's prompt, so pass draft_prompts=None")
+    if isinstance(draft_prompts, (str, bytes)) or not isinstance(draft_prompts, Sequence) or len(draft_prompts) != rows:
+        n = len(draft_prompts) if isinstance(draft_prompts, Sequence) else type(draft_prompts).__name__
+        raise ValueError(f"draft_prompts must be a list of one draft prompt per prompt ({rows}), got {n}")
+    V = cross_draft.draft_vocab_size(engine.params.draft)
+    Sd = drafter.draft_len(max_len)
+    lengths = []
+    for i, p in enumerate(draft_prompts):
+        arr = np.asarray(p) if isinstance(p, (Sequence, np.ndarray)) and not isinstance(p, (str, bytes)) else None
+        if arr is None or arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"draft prompt {i} must be a non-empty flat list of the draft's token ids, got {p!r:.60}")
+        if arr.min() < 0 or arr.max() >= V:
+            raise ValueError(f"draft prompt {i} has token ids outside the draft's vocabulary [0, {V}) (ids of the "
+                             "target's vocabulary? they go in prompts)")
+        if arr.size > Sd:
+            raise ValueError(f"draft prompt {i} has {arr.size} ids, more than the draft's cache of {Sd} positions "
+                             f"(max_len {max_len})")
+        lengths.append(arr.size)
+    width = min(prompt_width(max(lengths), engine.prompt_bucket), Sd)
+    ids_BT = np.zeros((rows, width), np.int32)
+    for i, p in enumerate(draft_prompts):
+        ids_BT[i, :lengths[i]] = p
+    return ids_BT, np.asarray(lengths, np.int32)
 
 
 def flag_invalid(out: GenerateOutput) -> GenerateOutput:

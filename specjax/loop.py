@@ -181,14 +181,16 @@ class Program:
         return adaptive_widths(self.k) if self.adaptive else verify_widths(self.k)
 
     @functools.partial(jax.jit, static_argnames=("self",))
-    def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state, costs=()) -> Output:
+    def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state, costs=(), draft_prompt=()) -> Output:
         """The whole generation: prefill, then rounds until every row is done.
 
         costs (adaptive programs): {"verify_W": float32[len(widths)] seconds of a verify forward at
-        each compiled width, "draft_step": float32[] seconds of one draft step}; else ()."""
+        each compiled width, "draft_step": float32[] seconds of one draft step}; else ().
+        draft_prompt: () or (ids_BTd, len_B), the draft's own prompt for a draft of another
+        vocabulary (`cross_draft.CrossVocabDrafter.init`'s draft_prompt_BT, draft_prompt_len_B)."""
         if self.adapts and not (isinstance(costs, dict) and set(costs) == {"verify_W", "draft_step"}):
             raise ValueError("an adaptive program needs costs={'verify_W': ..., 'draft_step': ...}")
-        state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state)
+        state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state, draft_prompt)
         if self.drafter is None:
             body = functools.partial(self.target_only_round, params)
         elif self.adaptive:
@@ -217,7 +219,7 @@ class Program:
         """Pins `x` (an array, a KVCache, or a drafter state) to the layout's sharding of `kind`."""
         return x if self.layout is None else self.layout.constrain(kind, x)
 
-    def prefill(self, params: Params, prompt_BT, prompt_len_B, key, rule_state) -> LoopState:
+    def prefill(self, params: Params, prompt_BT, prompt_len_B, key, rule_state, draft_prompt=()) -> LoopState:
         """Runs the ragged, right-padded prompts through the target (and the drafter) and
         emits each row's first token, which belongs to no round."""
         B, T = prompt_BT.shape
@@ -227,8 +229,9 @@ class Program:
         key, sub = jax.random.split(key)
         first_B = sample(sub, logits_B1V[:, 0], self.temperature, self.top_p)
         seq_BS = self._shard("rows", jnp.zeros((B, self.max_len), jnp.int32).at[:, :T].set(prompt_BT))
+        own = {} if not draft_prompt else dict(zip(("draft_prompt_BT", "draft_prompt_len_B"), draft_prompt))
         draft_state = () if self.drafter is None else self.drafter.init(
-            params.draft, prompt_BT, prompt_len_B, self.max_len, features_BTD=feats_BTD, backend=self.backend)
+            params.draft, prompt_BT, prompt_len_B, self.max_len, features_BTD=feats_BTD, backend=self.backend, **own)
         state = LoopState(cache=cache._replace(lengths=prompt_len_B), seq_BS=seq_BS, prompt_len_B=prompt_len_B,
                           num_out_B=jnp.zeros((B,), jnp.int32), done_B=jnp.zeros((B,), bool), key=key,
                           draft_state=self._shard("draft_cache", draft_state), rule_state=rule_state,

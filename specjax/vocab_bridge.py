@@ -60,9 +60,14 @@ way, 1.0 by construction): greedy takes the longest entry where BPE's merge orde
   committed target tokens translated back with `target_to_draft`, which is what the draft's cache
   must hold anyway after verification).
 
+**On disk.** `build_bridge` keeps the tables under `specjax.models.presets.cache_dir()/vocab_bridge/`,
+in one file per pair named by a hash of both tokenizers' serialized state (`cache_path`), written
+atomically with the SHA-256 of its contents in front; a damaged file is warned about and rebuilt, an
+unwritable cache only warned about.
+
 `check_bridgeable` refuses, before anything is built or compiled, a tokenizer that is missing or not
 a byte-level BPE, naming both models. The module is over 450 lines because it holds both
-algorithms, their host-side table builders (which share the byte helpers), the whole-token sync the
+algorithms, their host-side table builders (which share the byte helpers) and their file on disk, the whole-token sync the
 cross-vocabulary drafter reads (`sync_to_draft`), and the tables' shapes for planning (`AbstractVocab`).
 """
 
@@ -70,6 +75,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import io
+import json
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -106,9 +115,9 @@ def _special_tokens(tok) -> dict[int, str]:
 
 def token_bytes(tok) -> list[bytes | None]:
     """Each id's bytes; None for a special token (and for an id the vocabulary does not name)."""
-    dec = byte_decoder()
     special = _special_tokens(tok)
     added = {i: t.content for i, t in tok.backend.get_added_tokens_decoder().items()}
+    table = _piece_table()
     out: list[bytes | None] = []
     for i in range(tok.vocab_size):
         if i in special:
@@ -119,11 +128,21 @@ def token_bytes(tok) -> list[bytes | None]:
             out.append(None)
         elif i in added:  # a plain added token (`<tool_call>`) is matched as its text
             out.append(piece.encode("utf-8"))
-        elif all(c in dec for c in piece):
-            out.append(bytes(dec[c] for c in piece))
         else:
-            out.append(None)
+            try:  # one C-level translate per token (a character per byte was most of the build's time)
+                out.append(piece.translate(table).encode("latin-1"))
+            except UnicodeEncodeError:  # a character outside the byte-level alphabet
+                out.append(None)
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _piece_table() -> dict[int, str]:
+    """str.translate's table from a byte-level piece to its bytes as latin-1 characters: each
+    alphabet character to chr(byte), each other character below 256 to U+0100 (which fails the
+    latin-1 encoding, as characters above 255 outside the alphabet do by themselves)."""
+    table = {ord(c): chr(b) for c, b in byte_decoder().items()}
+    return {**{c: "\u0100" for c in range(256)}, **table}
 
 
 def encode_bytes(tok, data: bytes) -> list[int]:
@@ -282,27 +301,40 @@ def byte_hash(data: bytes) -> int:
     return h
 
 
-def _bytes_arrays(tok) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes_VxB uint8, nb_V int32); a special token: one byte 0 (`resegment` marks it apart)."""
-    all_bytes = token_bytes(tok)
+def _bytes_arrays(tok, all_bytes: list[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes_VxB uint8, nb_V int32) of `token_bytes(tok)`; a special token: one byte 0 (`resegment`
+    marks it apart)."""
     width = max(len(b) for b in all_bytes if b is not None)
-    bytes_VxB = np.zeros((tok.vocab_size, width), np.uint8)
+    flat = np.zeros((tok.vocab_size, width), np.uint8)
     nb_V = np.ones(tok.vocab_size, np.int32)
-    for v, b in enumerate(all_bytes):
-        if b is not None:
-            bytes_VxB[v, :len(b)] = np.frombuffer(b, np.uint8)
-            nb_V[v] = len(b)
-    return bytes_VxB, nb_V
+    ok = [v for v, b in enumerate(all_bytes) if b is not None]
+    nb_V[ok] = [len(all_bytes[v]) for v in ok]
+    # one buffer of every token's bytes, scattered into its row: no per-token numpy call
+    joined = np.frombuffer(b"".join(all_bytes[v] for v in ok), np.uint8)
+    rows = np.repeat(np.asarray(ok, np.int64), nb_V[ok])
+    cols = np.arange(joined.size) - np.repeat(np.cumsum(nb_V[ok]) - nb_V[ok], nb_V[ok])
+    flat[rows, cols] = joined
+    return flat, nb_V
 
 
-def _hash_arrays(tok, match_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """The sorted hashes of the tokens of at most `match_len` bytes, and their ids."""
+def _hashes(bytes_VxB: np.ndarray, nb_V: np.ndarray) -> np.ndarray:
+    """`byte_hash` of every row's first nb_V bytes, vectorized (uint32 arithmetic wraps as mod 2**32)."""
+    pow_B = np.asarray([pow(_HASH_MUL, j, 1 << 32) for j in range(bytes_VxB.shape[1])], np.uint32)
+    live_VxB = np.arange(bytes_VxB.shape[1])[None, :] < nb_V[:, None]
+    terms = (bytes_VxB.astype(np.uint32) + np.uint32(1)) * pow_B[None, :]
+    return np.where(live_VxB, terms, np.uint32(0)).sum(axis=1, dtype=np.uint32)
+
+
+def _hash_arrays(all_bytes: list[bytes | None], bytes_VxB: np.ndarray, nb_V: np.ndarray,
+                 match_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted hashes of the tokens of at most `match_len` bytes, and their ids (the first id
+    of each byte string)."""
     seen: dict[bytes, int] = {}
-    for v, b in enumerate(token_bytes(tok)):
+    for v, b in enumerate(all_bytes):
         if b and len(b) <= match_len and b not in seen:
             seen[b] = v
-    hashes = np.array([byte_hash(b) for b in seen], np.uint32)
-    ids = np.array(list(seen.values()), np.int32)
+    ids = np.fromiter(seen.values(), np.int32, len(seen))
+    hashes = _hashes(bytes_VxB[ids], nb_V[ids])
     order = np.argsort(hashes, kind="stable")
     return hashes[order], ids[order]
 
@@ -316,29 +348,115 @@ def _special_map(src_tok, dst_tok) -> np.ndarray:
 
 
 def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_name: str = "draft",
-                 algorithm: str = "greedy", match_len: int = 32) -> Bridge:
-    """Host, once: check both tokenizers and build the device tables of `algorithm`."""
+                 algorithm: str = "greedy", match_len: int = 32, cache: bool = True) -> Bridge:
+    """Host, once: check both tokenizers and build the device tables of `algorithm`.
+
+    cache: keep the tables on disk under `specjax.models.presets.cache_dir()`/vocab_bridge, keyed
+    by both tokenizers' serialized state (`cache_path`): a later Engine of the same pair reads them
+    (about 0.1 s for SmolLM2 -> Qwen2.5, against about a second to build them)."""
     check_bridgeable(target_tok, draft_tok, target_name=target_name, draft_name=draft_name)
     if isinstance(target_tok, AbstractVocab) or isinstance(draft_tok, AbstractVocab):
         return abstract_bridge(target_tok, draft_tok, algorithm=algorithm, match_len=match_len)
+    if algorithm not in ("greedy", "table"):
+        raise ValueError(f"unknown translation algorithm {algorithm!r} (greedy, table)")
+    if algorithm == "greedy" and not 1 <= match_len <= 256:
+        raise ValueError(f"match_len={match_len} must be in 1..256")
+    path = cache_path(target_tok, draft_tok, algorithm, match_len) if cache else None
+    arrays = None if path is None else _read_tables(path, algorithm, target_tok.vocab_size, draft_tok.vocab_size)
+    if arrays is None:
+        arrays = _build_arrays(target_tok, draft_tok, algorithm, match_len)
+        if path is not None:
+            _write_tables(path, arrays)
+    return Bridge(algorithm=algorithm, match_len=match_len, **{k: jnp.asarray(v) for k, v in arrays.items()})
+
+
+def _build_arrays(target_tok, draft_tok, algorithm: str, match_len: int) -> dict[str, np.ndarray]:
     if algorithm == "table":
         d2t_ids, d2t_len = build_table(draft_tok, target_tok)
         t2d_ids, t2d_len = build_table(target_tok, draft_tok)
-        return Bridge(algorithm="table", d2t_ids_VdxW=jnp.asarray(d2t_ids), d2t_len_Vd=jnp.asarray(d2t_len),
-                      t2d_ids_VtxW=jnp.asarray(t2d_ids), t2d_len_Vt=jnp.asarray(t2d_len))
-    if algorithm != "greedy":
-        raise ValueError(f"unknown translation algorithm {algorithm!r} (greedy, table)")
-    if not 1 <= match_len <= 256:
-        raise ValueError(f"match_len={match_len} must be in 1..256")
+        return dict(d2t_ids_VdxW=d2t_ids, d2t_len_Vd=d2t_len, t2d_ids_VtxW=t2d_ids, t2d_len_Vt=t2d_len)
     arrays = {}
     for side, tok in (("draft", draft_tok), ("target", target_tok)):
-        b, nb = _bytes_arrays(tok)
-        h, hid = _hash_arrays(tok, match_len)
+        all_bytes = token_bytes(tok)
+        b, nb = _bytes_arrays(tok, all_bytes)
+        h, hid = _hash_arrays(all_bytes, b, nb, match_len)
         arrays.update({f"{side}_bytes_V{side[0]}xB": b, f"{side}_nb_V{side[0]}": nb,
                        f"{side}_hash_H": h, f"{side}_hash_id_H": hid})
     arrays["d2t_special_Vd"] = _special_map(draft_tok, target_tok)
     arrays["t2d_special_Vt"] = _special_map(target_tok, draft_tok)
-    return Bridge(algorithm="greedy", match_len=match_len, **{k: jnp.asarray(v) for k, v in arrays.items()})
+    return arrays
+
+
+# --- the tables on disk ------------------------------------------------------------------------
+
+_CACHE_FORMAT = "specjax-vocab-bridge-1"  # bump when the tables' meaning changes
+
+
+def cache_path(target_tok, draft_tok, algorithm: str = "greedy", match_len: int = 32):
+    """Where `build_bridge` keeps the tables of this pair: a file named by a hash of the format,
+    the algorithm and both tokenizers' serialized state (`tokenizers.Tokenizer.to_str`: vocabulary,
+    merges, added tokens, pre-tokenizer) and sizes; None for a tokenizer that cannot be serialized."""
+    from specjax.models import presets
+
+    h = hashlib.sha256(json.dumps([_CACHE_FORMAT, algorithm, int(match_len)]).encode())
+    for tok in (target_tok, draft_tok):
+        try:
+            state = tok.backend.to_str().encode("utf-8")
+        except Exception:  # a duck-typed tokenizer without a serialized form: build every time
+            return None
+        h.update(f"\n{int(tok.vocab_size)} {len(state)}\n".encode())  # lengths: no two states concatenate alike
+        h.update(state)
+    return presets.cache_dir() / "vocab_bridge" / f"{h.hexdigest()[:40]}.npz"
+
+
+def _expected_shapes(algorithm: str, Vt: int, Vd: int) -> dict[str, tuple]:
+    """The leading (vocabulary) dimension of each stored table: a check of what was read."""
+    if algorithm == "table":
+        return dict(d2t_ids_VdxW=(Vd,), d2t_len_Vd=(Vd,), t2d_ids_VtxW=(Vt,), t2d_len_Vt=(Vt,))
+    return dict(draft_bytes_VdxB=(Vd,), draft_nb_Vd=(Vd,), target_bytes_VtxB=(Vt,), target_nb_Vt=(Vt,),
+                draft_hash_H=(), draft_hash_id_H=(), target_hash_H=(), target_hash_id_H=(),
+                d2t_special_Vd=(Vd,), t2d_special_Vt=(Vt,))
+
+
+def _write_tables(path, arrays: dict[str, np.ndarray]) -> None:
+    """One file, written atomically: the SHA-256 of the npz bytes (64 hex digits and a newline),
+    then the npz. An unwritable cache only warns: the tables are rebuilt next time."""
+    from specjax import _files
+
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    body = buf.getvalue()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _files.atomic_write_bytes(path, hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+    except OSError as e:
+        warnings.warn(f"{path}: cannot keep the vocabulary bridge's tables ({e}); they are built again "
+                      "next time", stacklevel=3)
+
+
+def _read_tables(path, algorithm: str, Vt: int, Vd: int) -> dict[str, np.ndarray] | None:
+    """The tables stored at `path`, or None: absent, or damaged (warned about; the caller rebuilds
+    them and writes them over the damaged file)."""
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        digest, body = raw[:64], raw[65:]
+        if raw[64:65] != b"\n" or hashlib.sha256(body).hexdigest().encode() != digest:
+            raise ValueError("checksum mismatch")
+        with np.load(io.BytesIO(body), allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+        want = _expected_shapes(algorithm, Vt, Vd)
+        if set(arrays) != set(want):
+            raise ValueError(f"tables {sorted(arrays)}, expected {sorted(want)}")
+        for k, lead in want.items():
+            if arrays[k].shape[:len(lead)] != lead:
+                raise ValueError(f"{k} has shape {arrays[k].shape}, expected {lead} first")
+        return arrays
+    except Exception as e:  # a damaged npz raises many kinds of errors; each means: rebuild
+        warnings.warn(f"{path}: damaged vocabulary bridge tables ({e}); building them again", stacklevel=3)
+        return None
 
 
 def abstract_bridge(target: AbstractVocab, draft: AbstractVocab, *, algorithm: str = "greedy",

@@ -69,7 +69,8 @@ def test_every_rule_runs(pair, prompts, method, temperature):
 
 def test_the_draft_context_follows_the_committed_text_and_proposals_continue_it(pair, prompts):
     """Driving the drafter by hand: after every round the draft's ids spell exactly the target's committed
-    bytes, and the proposal spells the draft model's own greedy continuation of them (a prefix of it)."""
+    bytes, and the proposal spells the draft model's own greedy continuation of them (a prefix of it),
+    also after rounds that accepted the last proposal (whose cached ids the feed does not recompute)."""
     target, draft = pair
     K = 3
     drafter, params = drafters.from_spec(draft, target, K)
@@ -80,15 +81,24 @@ def test_the_draft_context_follows_the_committed_text_and_proposals_continue_it(
     lens = np.asarray([len(p) for p in prompts], np.int32)
     state = jax.jit(lambda pr, ln: drafter.init(params, pr, ln, S))(jnp.asarray(seq[:, :T]), jnp.asarray(lens))
     propose = jax.jit(lambda st, s, L: drafter.propose(params, st, s, L, jax.random.PRNGKey(0), 0.0))
+    _, bridge = cross_draft.split_params(params)
+    agreed = jax.jit(lambda st, s, L: drafter.agreed(drafter.sync(bridge, st, s, L + 1), st.d_len_B,
+                                                     st.dseq_BSd.shape[1]))
     rng = np.random.default_rng(0)
     filler = target.tokenizer.encode(" return x + y  # done\n" * 3)
     L = lens.copy()  # pending token at L: the prompt's tokens then one more each round
-    for round_ in range(5):
+    reused = 0
+    for round_ in range(7):
         for b in range(B):
-            step = int(rng.integers(1, K + 2)) if round_ else 0  # 1 .. K + 1 tokens committed per round
-            seq[b, L[b] + 1: L[b] + 1 + step] = filler[round_ * 2: round_ * 2 + step]
+            if round_ and (round_ + b) % 2:  # the last proposal accepted whole: its cached ids are reused
+                step = int(num_B[b]) + 1
+                seq[b, L[b] + 1: L[b] + step] = np.asarray(ids_BK[b, :step - 1])
+            else:
+                step = int(rng.integers(1, K + 2)) if round_ else 0  # 1 .. K + 1 tokens committed per round
+                seq[b, L[b] + 1: L[b] + 1 + step] = filler[round_ * 2: round_ * 2 + step]
             L[b] += step
             seq[b, L[b]] = filler[(round_ + b) % len(filler)]  # the pending token
+        reused += int(np.sum(agreed(state, jnp.asarray(seq), jnp.asarray(L))))
         ids_BK, num_B, probs, state = propose(state, jnp.asarray(seq), jnp.asarray(L))
         assert probs is None
         for b in range(B):
@@ -105,6 +115,7 @@ def test_the_draft_context_follows_the_committed_text_and_proposals_continue_it(
                 logits = np.asarray(draft.logits(buf))[0, d_len + len(cont) - 1]
                 cont.append(int(np.argmax(logits)))
             assert _bytes(draft.tokenizer, cont).startswith(_bytes(target.tokenizer, ids_BK[b, :n]))
+    assert reused > 0  # the rounds that accepted a proposal fed only what the cache lacked
 
 
 def test_a_tokenizer_that_cannot_be_mapped_is_refused_naming_both(pair):
@@ -136,9 +147,10 @@ def test_on_a_mesh_the_same_tokens(pair, prompts):
     four = prompts + prompts[:1]
     base = specjax.Engine(target, max_new_tokens=8, eos_ids=()).generate(four).tokens
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    out = specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=8, eos_ids=(),
-                         mesh=mesh).generate(four)
-    assert out.tokens == base
+    engine = specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=8, eos_ids=(), mesh=mesh)
+    assert engine.generate(four).tokens == base
+    own = [draft.tokenizer.encode("<|im_start|>user\n" + t) for t in TEXTS + TEXTS[:1]]
+    assert engine.generate(four, draft_prompts=own).tokens == base  # the draft's prompts split over "data" too
 
 
 @pytest.mark.qwen
@@ -206,3 +218,70 @@ def test_a_draft_prompt_in_the_drafts_own_rendering_replaces_the_translation(pai
         assert int(state.t_sync_B[b]) == L[b] + 1
         got = _bytes(draft.tokenizer, np.asarray(state.dseq_BSd[b, :int(state.d_len_B[b])]))
         assert got == _bytes(draft.tokenizer, own[b]) + _bytes(target.tokenizer, new)
+
+
+def test_generate_takes_the_drafts_own_prompts_and_exact_stays_target_only(pair, prompts):
+    """Engine.generate(prompts, draft_prompts=...): the draft reads its own rendering of each row (here another
+    markup, and random ids) and exact verification still emits target-only's tokens; bad draft prompts are
+    refused with one error naming the problem, before anything compiles."""
+    target, draft = pair
+    base = specjax.Engine(target, max_new_tokens=12, eos_ids=()).generate(prompts).tokens
+    engine = specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=12, eos_ids=(), max_len=64)
+    own = [draft.tokenizer.encode("<|im_start|>user\n" + t) for t in TEXTS]
+    rng = np.random.default_rng(0)
+    noise = [rng.integers(0, draft.tokenizer.vocab_size, size=n).tolist() for n in (3, 40, 9)]  # ragged, longer
+    full = [[5] * engine.drafter.draft_len(64)] * 3  # fills the draft's cache: no row can propose
+    outs = {}
+    for name, dp in (("translated", None), ("own", own), ("noise", noise), ("full", full)):
+        outs[name] = engine.generate(prompts, draft_prompts=dp)
+        assert outs[name].tokens == base, name
+    # the draft's prompt reaches the draft (random models accept nothing, so its length shows it): with a
+    # full cache every round is a plain step of width 1, otherwise every round verifies a proposal
+    assert outs["full"].stats["widths"][1] == outs["full"].stats["rounds"] > 0
+    assert all(outs[name].stats["widths"][1] == 0 for name in ("translated", "own", "noise"))
+    Vd = draft.tokenizer.vocab_size
+    for bad, match in (([own[0]], r"one draft prompt per prompt \(3\), got 1"),
+                       ("abc", "one draft prompt per prompt"),
+                       ([own[0], own[1], [1, Vd]], rf"draft prompt 2 has token ids outside the draft's vocabulary \[0, {Vd}\)"),
+                       ([own[0], [], own[2]], "draft prompt 1 must be a non-empty flat list"),
+                       ([own[0], own[1], [[1, 2]]], "draft prompt 2 must be a non-empty flat list"),
+                       ([own[0], own[1], [1] * 10_000], r"draft prompt 2 has 10000 ids, more than the draft's cache")):
+        with pytest.raises(ValueError, match=match):
+            engine.generate(prompts, draft_prompts=bad)
+    with pytest.raises(ValueError, match="draft_prompts is for a draft of another vocabulary.*no draft"):
+        specjax.Engine(target, max_new_tokens=4).generate(prompts, draft_prompts=own)
+    same = _model(target.tokenizer, 3, layers=1)
+    with pytest.raises(ValueError, match="shares the target's vocabulary"):
+        specjax.Engine(target, draft=same, k=2, max_new_tokens=4).generate(prompts, draft_prompts=own)
+
+
+def test_the_memory_check_counts_the_drafts_cache_as_allocated(pair, prompts, monkeypatch):
+    """The cross draft's cache is draft_len(max_len) = 1.25 x max_len positions: its state_bytes equals what
+    init really allocates, and the Engine's memory check refuses a budget that a count at max_len would pass."""
+    from specjax import engine as engine_mod
+    from specjax.sharding import memory_report
+
+    target, draft = pair
+    max_len = 64
+    engine = specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=8, max_len=max_len, eos_ids=())
+    drafter, B = engine.drafter, len(prompts)
+    assert drafter.draft_len(max_len) == 80
+    sds = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
+    state = jax.eval_shape(lambda p: drafter.init(p, jnp.zeros((B, 16), jnp.int32), jnp.full((B,), 5, jnp.int32),
+                                                  max_len), jax.tree.map(sds, engine.params.draft))
+    allocated = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert drafter.state_bytes(B, max_len) == allocated
+    assert 80 in state.cache.k.shape and state.dseq_BSd.shape == (B, 80)
+    # what the check counted before: both configs' caches at max_len (the draft's 20 % short)
+    at_max_len = engine_mod._bytes_per_position((target.config, draft.config), target.dtype, B) * max_len
+    now = engine_mod._bytes_per_position((target.config,), target.dtype, B) * max_len + allocated
+    assert now > at_max_len
+    free = int((at_max_len + now) / 2 / 0.9)  # the old count fits this budget, the real one does not
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda: (free, "test memory"))
+    with pytest.raises(ValueError, match="more than the .* free in test memory"):
+        engine.generate(prompts)
+    monkeypatch.setattr(engine_mod, "available_bytes", lambda: (int(now / 0.9) + 1, "test memory"))
+    engine.lower(prompts)  # exactly enough: the check passes
+    # the memory report (AOT planning) counts the same cache
+    cache = jax.eval_shape(lambda: state.cache)
+    assert memory_report(engine, B, max_len)["draft_cache"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))

@@ -54,7 +54,7 @@ def tiny_pair():
 def pair(request, tiny_pair):
     target, draft = tiny_pair
     return target, draft, vb.build_bridge(target, draft, target_name="tiny-target", draft_name="tiny-draft",
-                                          algorithm=request.param)
+                                          algorithm=request.param, cache=False)  # built here, never read
 
 
 def _texts(seed=0, n=40):
@@ -269,6 +269,78 @@ def test_measure_and_bad_settings(tiny_pair):
         vb.build_bridge(target, draft, algorithm="bpe")
     with pytest.raises(ValueError, match="match_len=0"):
         vb.build_bridge(target, draft, match_len=0)
+
+
+def _leaves(bridge):
+    return [np.asarray(a) for a in jax.tree_util.tree_leaves(bridge)]
+
+
+@pytest.mark.parametrize("algorithm", ["greedy", "table"])
+def test_tables_are_kept_on_disk_keyed_by_both_tokenizers(tiny_pair, tmp_path, monkeypatch, algorithm):
+    """The first build writes the tables under the cache directory, a second reads them (the builder is
+    not called), another tokenizer or algorithm gets another file, and what is read equals a fresh build."""
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    target, draft = tiny_pair
+    fresh = _leaves(vb.build_bridge(target, draft, algorithm=algorithm, cache=False))
+    path = vb.cache_path(target, draft, algorithm)
+    assert path.parent == tmp_path / "vocab_bridge" and not path.exists()
+    first = vb.build_bridge(target, draft, algorithm=algorithm)
+    assert path.is_file() and first.algorithm == algorithm
+    build = vb._build_arrays
+    monkeypatch.setattr(vb, "_build_arrays", lambda *a: pytest.fail("built again, not read from disk"))
+    second = vb.build_bridge(target, draft, algorithm=algorithm)
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(_leaves(second), fresh))
+    assert len(_leaves(second)) == len(fresh)
+    # the key: both tokenizers' content (one added token more is another vocabulary), and the algorithm
+    other = Tokenizer.from_state(target.to_state())
+    other.backend.add_tokens(["<extra>"])
+    other.vocab_size += 1
+    assert vb.cache_path(other, draft, algorithm) != path
+    assert vb.cache_path(draft, target, algorithm) != path  # the direction matters
+    assert vb.cache_path(target, draft, "table" if algorithm == "greedy" else "greedy") != path
+    assert vb.cache_path(Tokenizer.from_state(target.to_state()), draft, algorithm) == path  # same content
+    monkeypatch.setattr(vb, "_build_arrays", build)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "wrong shapes"])
+def test_a_damaged_table_file_is_warned_about_and_rebuilt(tiny_pair, tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    target, draft = tiny_pair
+    fresh = _leaves(vb.build_bridge(target, draft, cache=False))
+    vb.build_bridge(target, draft)
+    path = vb.cache_path(target, draft)
+    raw = path.read_bytes()
+    if damage == "flip":
+        raw = raw[:len(raw) // 2] + bytes([raw[len(raw) // 2] ^ 1]) + raw[len(raw) // 2 + 1:]
+    elif damage == "truncate":
+        raw = raw[:len(raw) - 100]
+    elif damage == "garbage":
+        raw = b"not a table file"
+    else:  # a valid file of other tables (as another pair's): its checksum holds, its shapes do not
+        other = vb.cache_path(draft, target)
+        vb.build_bridge(draft, target)
+        raw = other.read_bytes()
+    path.write_bytes(raw)
+    with pytest.warns(UserWarning, match="damaged vocabulary bridge tables"):
+        again = vb.build_bridge(target, draft)
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(again), fresh))
+    monkeypatch.setattr(vb, "_build_arrays", lambda *a: pytest.fail("the rebuilt tables were not written back"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vb.build_bridge(target, draft)
+
+
+def test_an_unwritable_cache_only_warns(tiny_pair, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("SPECJAX_CACHE", str(blocker))  # its vocab_bridge/ cannot be made
+    target, draft = tiny_pair
+    with pytest.warns(UserWarning, match="cannot keep the vocabulary bridge's tables"):
+        bridge = vb.build_bridge(target, draft)
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(bridge), _leaves(vb.build_bridge(target, draft, cache=False))))
+    assert not list(tmp_path.glob("**/*.npz")) and not list(tmp_path.glob("**/.*tmp*"))
 
 
 def _gguf(name):

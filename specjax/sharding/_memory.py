@@ -59,7 +59,9 @@ def memory_report(engine, batch_size: int, max_len: int | None = None) -> dict[s
     for name, tree in (("target_params", engine.params.target), ("draft_params", draft)):
         report[name] = max_bytes_per_device(tree) if jax.tree.leaves(tree) else 0
     for name, (cfg, dtype, kind) in caches.items():
-        shapes = jax.eval_shape(lambda c=cfg, d=dtype: llama.init_cache(c, batch_size, S, d))
+        # a draft of another vocabulary sizes its own cache (cross_draft: 1.25 x max_len)
+        length = model.draft_len(S) if kind == "draft_cache" and hasattr(model, "draft_len") else S
+        shapes = jax.eval_shape(lambda c=cfg, d=dtype, n=length: llama.init_cache(c, batch_size, n, d))
         if layout is None:
             report[name] = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(shapes))
             continue
