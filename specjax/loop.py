@@ -201,15 +201,16 @@ class Program:
         # replicated outputs: every process of a multi-process run reads them
         return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.layout.replicated)
 
-    def forward(self, params, tokens_BT, cache, select_BJ=None):
+    def forward(self, params, tokens_BT, cache, select_BJ=None, write=True):
         """The target on `tokens_BT` at each row's offset: (logits, its last layer's features where the
-        drafter reads them (`Drafter.uses_features`) else None, the cache with their keys and values)."""
+        drafter reads them (`Drafter.uses_features`) else None, the cache with their keys and values;
+        write=False: those keys and values, a `llama.NewKV`, the cache only read)."""
         if self.drafter is not None and self.drafter.uses_features:
             return llama.forward_features(self.config, params.target, tokens_BT, cache, dtype=self.dtype,
-                                          select_BJ=select_BJ, backend=self.backend)
-        logits, cache = llama.forward_cached(self.config, params.target, tokens_BT, cache, dtype=self.dtype,
-                                             select_BJ=select_BJ, backend=self.backend)
-        return logits, None, cache
+                                          select_BJ=select_BJ, backend=self.backend, write=write)
+        logits, kv = llama.forward_cached(self.config, params.target, tokens_BT, cache, dtype=self.dtype,
+                                          select_BJ=select_BJ, backend=self.backend, write=write)
+        return logits, None, kv
 
     # -- the pieces of the loop -------------------------------------------------
 
@@ -259,7 +260,8 @@ class Program:
         # score: only as many positions as the live rows' longest proposal needs
         fed_BR = jnp.concatenate([pending(state)[:, None], drafts_BK], axis=1)
         width = jnp.max(jnp.where(live_B, num_draft_B, 0)) + 1
-        logits_BRV, cache, feats_BRD = self.score(params, fed_BR, state.cache, width)
+        logits_BRV, kv, feats_BRD = self.score(params, fed_BR, state.cache, width)
+        cache = self._shard("cache", llama.write_kv(state.cache, kv, width))
         draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)  # what the target saw
         # verify (on a mesh, the backend's vocabulary sharding reduces the logits shard by shard)
         verdict, rule_state, counts = self.rule(
@@ -320,26 +322,27 @@ class Program:
         width = w_W[choice]
         num_draft_B = jnp.minimum(num_draft_B, width - 1)
         fed_BR = jnp.concatenate([pending(state)[:, None], drafts_BK], axis=1)
-        feats_pad = ((0, 0), (0, K), (0, 0))
 
+        # both branches only read the cache and return the new keys and values, written once after
+        # them (a branch that wrote it would copy the whole cache every round)
         def plain(cache, rule_state):  # nothing verified: the target-only step, no rule
-            logits_B1V, feats_B1D, cache = self.forward(params, fed_BR[:, :1], cache)
-            logits_B1V, cache = self._shard("logits", logits_B1V), self._shard("cache", cache)
+            logits_B1V, feats_B1D, kv = self.forward(params, fed_BR[:, :1], cache, write=False)
+            logits_B1V = self._shard("logits", logits_B1V)
             next_B = sample(k_verify, logits_B1V[:, 0], self.temperature, self.top_p)
             zi = jnp.zeros_like(next_B)
             counts = RoundCounts(zi, zi, jnp.zeros(next_B.shape, jnp.float32))
-            feats_BRD = None if feats_B1D is None else jnp.pad(feats_B1D, feats_pad)
-            return zi, next_B, cache, rule_state, counts, feats_BRD
+            return zi, next_B, _pad_positions(kv, K + 1), rule_state, counts, _pad_positions(feats_B1D, K + 1)
 
         def speculate(cache, rule_state):
-            logits_BRV, cache, feats_BRD = self.score(params, fed_BR, cache, width, widths[1:])
+            logits_BRV, kv, feats_BRD = self.score(params, fed_BR, cache, width, widths[1:])
             verdict, rule_state, counts = self.rule(
                 rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
                 draft_probs_BKV=probs_BKV, temperature=self.temperature, backend=self.backend)
-            return verdict.num_accepted, verdict.next_token, cache, rule_state, counts, feats_BRD
+            return verdict.num_accepted, verdict.next_token, kv, rule_state, counts, feats_BRD
 
-        n_B, next_B, cache, rule_state, counts, feats_BRD = jax.lax.cond(
+        n_B, next_B, kv, rule_state, counts, feats_BRD = jax.lax.cond(
             width == 1, plain, speculate, state.cache, state.rule_state)
+        cache = self._shard("cache", llama.write_kv(state.cache, kv, width))
         draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)
         # commit d[:n] + [next]
         drafts_BR = jnp.concatenate([drafts_BK, jnp.zeros_like(drafts_BK[:, :1])], axis=1)
@@ -354,8 +357,9 @@ class Program:
         return state.replace(counters=counters, adapt=adapt)
 
     def score(self, params: Params, fed_BR, cache, width, widths=None):
-        """The target's logits on the first `width` fed positions, padded to R = K + 1 rows
-        (and its features there for a feature drafter; else None).
+        """The target's logits on the first `width` fed positions, padded to R = K + 1 rows, their
+        keys and values (a `llama.NewKV` padded to R positions, for `llama.write_kv`: the cache is
+        only read, so no branch copies it) and its features there for a feature drafter (else None).
 
         A drafter may propose fewer than K tokens (prompt lookup, often none at all):
         on a CPU a 9-position forward costs about twice a 1-position one, so the
@@ -369,11 +373,9 @@ class Program:
 
         def at(w):
             def run(fed_BR, cache):
-                pad = ((0, 0), (0, R - w), (0, 0))
-                logits_BWV, feats_BWD, cache = self.forward(params, fed_BR[:, :w], cache)
-                feats_BRD = None if feats_BWD is None else jnp.pad(feats_BWD, pad)
-                logits_BRV = jnp.pad(logits_BWV, pad)
-                return self._shard("logits", logits_BRV), self._shard("cache", cache), feats_BRD
+                logits_BWV, feats_BWD, kv = self.forward(params, fed_BR[:, :w], cache, write=False)
+                logits_BRV = _pad_positions(logits_BWV, R)
+                return self._shard("logits", logits_BRV), _pad_positions(kv, R), _pad_positions(feats_BWD, R)
             return run
 
         if len(widths) == 1:
@@ -436,6 +438,15 @@ def adaptive_widths(K: int) -> tuple[int, ...]:
     the target forward per step, log K in all), and short drafts, where most of the expected
     gain lies, get every width."""
     return tuple(sorted({w for w in (1, 2, 3, 5, 9, 16, 32, 64) if w <= K + 1} | {K + 1}))
+
+
+def _pad_positions(x, R: int):
+    """`x` ([B, T, ...] arrays, or a `llama.NewKV` of [N, B, T, ...] ones, or None) zero-padded to R positions."""
+    if x is None:
+        return None
+    if isinstance(x, llama.NewKV):
+        return llama.NewKV(*(jnp.pad(a, [(0, 0), (0, 0), (0, R - a.shape[2])] + [(0, 0)] * (a.ndim - 3)) for a in x))
+    return jnp.pad(x, [(0, 0), (0, R - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
 def _propose(drafter, draft_params, state: LoopState, key, temperature, backend):
