@@ -234,7 +234,7 @@ class Program:
                           num_out_B=jnp.zeros((B,), jnp.int32), done_B=jnp.zeros((B,), bool), key=key,
                           draft_state=self._shard("draft_cache", draft_state), rule_state=rule_state,
                           counters=Counters.zeros(B, self.k),
-                          adapt=Adapt.zeros(getattr(self.drafter, "levels", 1), self.k) if self.adapts else ())
+                          adapt=Adapt.zeros(self.drafter.levels, self.k) if self.adapts else ())
         state, _ = self.commit(state, first_B[:, None], jnp.ones((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
         return state
 
@@ -250,7 +250,7 @@ class Program:
         return state.replace(counters=state.counters.update(live_B=live_B, emitted_B=emitted_B))
 
     def speculative_round(self, params: Params, state: LoopState) -> LoopState:
-        K = self.k
+        """Draft, score the whole proposal (at the smallest compiled width covering it), verify, commit."""
         key, k_draft, k_verify = jax.random.split(state.key, 3)
         live_B = ~state.done_B
         # draft
@@ -263,21 +263,13 @@ class Program:
         logits_BRV, kv, feats_BRD = self.score(params, fed_BR, state.cache, width)
         cache = self._shard("cache", llama.write_kv(state.cache, kv, width))
         draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)  # what the target saw
-        # verify (on a mesh, the backend's vocabulary sharding reduces the logits shard by shard)
+        # verify (on a mesh, the backend's vocabulary sharding reduces the logits shard by shard), commit
         verdict, rule_state, counts = self.rule(
             state.rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
             draft_probs_BKV=probs_BKV, temperature=self.temperature, backend=self.backend)
-        n_B = verdict.num_accepted
-        # commit d[:n] + [next]
-        j_R = jnp.arange(K + 1)
-        drafts_BR = jnp.concatenate([drafts_BK, jnp.zeros_like(drafts_BK[:, :1])], axis=1)
-        block_BR = jnp.where(j_R[None] < n_B[:, None], drafts_BR, verdict.next_token[:, None])
-        state = state.replace(cache=cache, key=key, draft_state=self._shard("draft_cache", draft_state),
-                              rule_state=rule_state)
-        state, emitted_B = self.commit(state, block_BR, n_B + 1, n_B + 1)
-        counters = state.counters.update(live_B=live_B, emitted_B=emitted_B, n_B=n_B, num_draft_B=num_draft_B,
-                                         counts=counts)
-        return state.replace(counters=counters)
+        state = state.replace(cache=cache, key=key, draft_state=draft_state, rule_state=rule_state)
+        return self._commit_round(state, live_B, drafts_BK, num_draft_B, verdict.num_accepted, verdict.next_token,
+                                  counts)
 
     def adaptive_round(self, params: Params, costs, state: LoopState) -> LoopState:
         """A speculative round that verifies only what pays: choose, draft, choose again, then a
@@ -290,7 +282,7 @@ class Program:
         verify_W = costs["verify_W"]
         # draft: a drafter whose steps cost drafts only as many as the best width (by its
         # levels' best estimates, all K offered) verifies; a plain step still feeds its cache
-        short = getattr(self.drafter, "truncated", None)
+        short = self.drafter.truncated
         if short is None:
             cap = jnp.int32(len(widths) - 1)
             drafts_BK, num_draft_B, probs_BKV, draft_state, level_B = _propose(
@@ -344,17 +336,22 @@ class Program:
             width == 1, plain, speculate, state.cache, state.rule_state)
         cache = self._shard("cache", llama.write_kv(state.cache, kv, width))
         draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)
-        # commit d[:n] + [next]
+        adapt = learn(state.adapt, level_B, num_draft_B, n_B, live_B)
+        adapt = adapt.replace(widths_W=adapt.widths_W.at[width].add(1))
+        state = state.replace(cache=cache, key=key, draft_state=draft_state, rule_state=rule_state, adapt=adapt)
+        return self._commit_round(state, live_B, drafts_BK, num_draft_B, n_B, next_B, counts)
+
+    def _commit_round(self, state: LoopState, live_B, drafts_BK, num_draft_B, n_B, next_B, counts) -> LoopState:
+        """The end of a speculative round (fixed or adaptive), `state` already holding the round's cache,
+        key, drafter and rule states: each live row emits d[:n] + [next], the counters add the round."""
+        K = drafts_BK.shape[1]
         drafts_BR = jnp.concatenate([drafts_BK, jnp.zeros_like(drafts_BK[:, :1])], axis=1)
         block_BR = jnp.where(jnp.arange(K + 1)[None] < n_B[:, None], drafts_BR, next_B[:, None])
-        state = state.replace(cache=cache, key=key, draft_state=self._shard("draft_cache", draft_state),
-                              rule_state=rule_state)
+        state = state.replace(draft_state=self._shard("draft_cache", state.draft_state))
         state, emitted_B = self.commit(state, block_BR, n_B + 1, n_B + 1)
         counters = state.counters.update(live_B=live_B, emitted_B=emitted_B, n_B=n_B, num_draft_B=num_draft_B,
                                          counts=counts)
-        adapt = learn(state.adapt, level_B, num_draft_B, n_B, live_B)
-        adapt = adapt.replace(widths_W=adapt.widths_W.at[width].add(1))
-        return state.replace(counters=counters, adapt=adapt)
+        return state.replace(counters=counters)
 
     def score(self, params: Params, fed_BR, cache, width, widths=None):
         """The target's logits on the first `width` fed positions, padded to R = K + 1 rows, their
@@ -450,13 +447,9 @@ def _pad_positions(x, R: int):
 
 
 def _propose(drafter, draft_params, state: LoopState, key, temperature, backend):
-    """The drafter's proposal and, per row, the level that proposed it (0 for a drafter of one level)."""
-    if hasattr(drafter, "propose_levels"):
-        return drafter.propose_levels(draft_params, state.draft_state, state.seq_BS, state.cache.lengths, key,
-                                      temperature, backend=backend)
-    drafts_BK, num_draft_B, probs_BKV, draft_state = drafter.propose(
-        draft_params, state.draft_state, state.seq_BS, state.cache.lengths, key, temperature, backend=backend)
-    return drafts_BK, num_draft_B, probs_BKV, draft_state, jnp.zeros_like(num_draft_B)
+    """The drafter's proposal and, per row, the level that proposed it (`Drafter.propose_levels`)."""
+    return drafter.propose_levels(draft_params, state.draft_state, state.seq_BS, state.cache.lengths, key,
+                                  temperature, backend=backend)
 
 
 # --- what the loop counts, and the statistics of one call made from it ---
