@@ -180,6 +180,15 @@ class Program:
         """The compiled verify widths."""
         return adaptive_widths(self.k) if self.adaptive else verify_widths(self.k)
 
+    def cost_input(self, table) -> dict:
+        """`run`'s costs from a `specjax.costs.CostTable` (seconds at every width 1 .. K + 1): its
+        figures at the compiled widths; None: flat figures, for a program only lowered (its shapes
+        are all that matter then)."""
+        if table is None:
+            return {"verify_W": np.ones(len(self.widths), np.float32), "draft_step": np.float32(0.0)}
+        return {"verify_W": np.asarray([table.verify_s[w - 1] for w in self.widths], np.float32),
+                "draft_step": np.float32(table.draft_step_s)}
+
     @functools.partial(jax.jit, static_argnames=("self",))
     def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state, costs=()) -> Output:
         """The whole generation: prefill, then rounds until every row is done.
@@ -488,8 +497,9 @@ class Counters:
             spent_B=self.spent_B + counts.spent_B)
 
 
-def statistics(counters: Counters, rule_state: Any = ()) -> dict[str, Any]:
-    """The statistics of one call (host values; lists per request or per draft position)."""
+def statistics(counters: Counters, rule_state: Any = (), widths_W: Any = ()) -> dict[str, Any]:
+    """The statistics of one call (host values; lists per request or per draft position).
+    widths_W: an adaptive program's rounds per verified width (`Output.widths_W`), else ()."""
     c = jax.tree.map(np.asarray, counters)
     rounds_B = c.rounds_B
     # tau per request = tokens emitted by rounds / rounds; a request finished by its
@@ -517,6 +527,10 @@ def statistics(counters: Counters, rule_state: Any = ()) -> dict[str, Any]:
         "loose_share": loose / examined if examined else 0.0,
         "ledger_spent_per_request": c.spent_B.tolist(),
     })
+    if not isinstance(widths_W, tuple):  # rounds per verified width (index = width; 1: a plain step), their mean
+        widths = np.asarray(widths_W)
+        out["widths"] = widths.tolist()
+        out["mean_width"] = float((widths * np.arange(widths.size)).sum() / max(int(widths.sum()), 1))
     if isinstance(rule_state, CSDMemory):
         out["csd_memory_filled"] = int(rule_state.filled)
         out["csd_memory_capacity"] = rule_state.capacity
