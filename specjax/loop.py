@@ -324,26 +324,28 @@ class Program:
         num_draft_B = jnp.minimum(num_draft_B, width - 1)
         fed_BR = jnp.concatenate([pending(state)[:, None], drafts_BK], axis=1)
 
-        # both branches only read the cache and return the new keys and values, written once after
-        # them (a branch that wrote it would copy the whole cache every round)
+        # XLA copies the cache into a branch that writes it unless that branch is the only writer:
+        # the plain step writes in place (as target-only decoding does, no copy of the native
+        # attention's layer either), the verify only reads the cache and returns the new keys and
+        # values, written after the branches join (none after a plain step)
         def plain(cache, rule_state):  # nothing verified: the target-only step, no rule
-            logits_B1V, feats_B1D, kv = self.forward(params, fed_BR[:, :1], cache, write=False)
+            logits_B1V, feats_B1D, cache = self.forward(params, fed_BR[:, :1], cache)
             logits_B1V = self._shard("logits", logits_B1V)
             next_B = sample(k_verify, logits_B1V[:, 0], self.temperature, self.top_p)
             zi = jnp.zeros_like(next_B)
             counts = RoundCounts(zi, zi, jnp.zeros(next_B.shape, jnp.float32))
-            return zi, next_B, _pad_positions(kv, K + 1), rule_state, counts, _pad_positions(feats_B1D, K + 1)
+            return zi, next_B, cache, _no_kv(cache, K + 1), rule_state, counts, _pad_positions(feats_B1D, K + 1)
 
         def speculate(cache, rule_state):
             logits_BRV, kv, feats_BRD = self.score(params, fed_BR, cache, width, widths[1:])
             verdict, rule_state, counts = self.rule(
                 rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
                 draft_probs_BKV=probs_BKV, temperature=self.temperature, backend=self.backend)
-            return verdict.num_accepted, verdict.next_token, kv, rule_state, counts, feats_BRD
+            return verdict.num_accepted, verdict.next_token, cache, kv, rule_state, counts, feats_BRD
 
-        n_B, next_B, kv, rule_state, counts, feats_BRD = jax.lax.cond(
+        n_B, next_B, cache, kv, rule_state, counts, feats_BRD = jax.lax.cond(
             width == 1, plain, speculate, state.cache, state.rule_state)
-        cache = self._shard("cache", llama.write_kv(state.cache, kv, width))
+        cache = self._shard("cache", llama.write_kv(cache, kv, jnp.where(width == 1, 0, width)))
         draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)
         adapt = learn(state.adapt, level_B, num_draft_B, n_B, live_B)
         adapt = adapt.replace(widths_W=adapt.widths_W.at[width].add(1))
@@ -365,7 +367,8 @@ class Program:
     def score(self, params: Params, fed_BR, cache, width, widths=None):
         """The target's logits on the first `width` fed positions, padded to R = K + 1 rows, their
         keys and values (a `llama.NewKV` padded to R positions, for `llama.write_kv`: the cache is
-        only read, so no branch copies it) and its features there for a feature drafter (else None).
+        only read, as XLA would copy it into each `lax.switch` branch that wrote it) and its
+        features there for a feature drafter (else None).
 
         A drafter may propose fewer than K tokens (prompt lookup, often none at all):
         on a CPU a 9-position forward costs about twice a 1-position one, so the
@@ -453,6 +456,11 @@ def _pad_positions(x, R: int):
     if isinstance(x, llama.NewKV):
         return llama.NewKV(*(jnp.pad(a, [(0, 0), (0, 0), (0, R - a.shape[2])] + [(0, 0)] * (a.ndim - 3)) for a in x))
     return jnp.pad(x, [(0, 0), (0, R - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def _no_kv(cache: KVCache, R: int) -> llama.NewKV:
+    """Zero keys and values of R positions: a branch that wrote its own in place hands these on."""
+    return llama.NewKV(*(jnp.zeros(a.shape[:2] + (R,) + a.shape[3:], a.dtype) for a in (cache.k, cache.v)))
 
 
 def _propose(drafter, draft_params, state: LoopState, key, temperature, backend):
