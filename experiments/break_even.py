@@ -62,8 +62,20 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "--empty_round: interleaved runs p
 _METHODS = flags.DEFINE_list("methods", ["exact", "fly"], "--empty_round: the rules measured.")
 
 
+class _OneLevel:
+    """The adaptive loop's `drafters.Drafter` members, as `drafters.DrafterDefaults` has them (this
+    module imports specjax only once its flags are read): one level, never cut short."""
+
+    levels = 1
+    truncated = None
+
+    def propose_levels(self, *args, **kwargs):
+        out = self.propose(*args, **kwargs)
+        return (*out, 0 * out[1])
+
+
 @dataclasses.dataclass(frozen=True)
-class Scripted:
+class Scripted(_OneLevel):
     """A drafter (`drafters.Drafter`) whose K tokens are the target's own greedy continuation, each replaced by a wrong
     token with probability 1 - agreement. params: {"inner": the costed drafter's params,
     "ref_BS": int32[B, S] prompt + target-only tokens at their positions, "agreement": float32[]}.
@@ -113,7 +125,7 @@ class Scripted:
 
 
 @dataclasses.dataclass(frozen=True)
-class Silent:
+class Silent(_OneLevel):
     """A drafter (`drafters.Drafter`) that runs `inner`'s whole proposal and then proposes nothing:
     a round costs what proposing costs, and emits one token."""
 

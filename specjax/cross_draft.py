@@ -110,6 +110,12 @@ class CrossVocabDrafter:
     prompt_ratio: float = 1.25
     lookup: Any = None
     uses_features = False
+    levels = 1  # drafters.Drafter's adaptive members (DrafterDefaults'; this module lies below drafters.py)
+    truncated = None
+
+    def propose_levels(self, *args, **kwargs):
+        out = self.propose(*args, **kwargs)
+        return (*out, jnp.zeros_like(out[1]))
 
     @property
     def kd(self) -> int:

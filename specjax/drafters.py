@@ -19,7 +19,7 @@ length are stale and masked by position, never erased.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +40,20 @@ class Drafter(Protocol):
     uses_features: whether the drafter reads the target's last-layer hidden states; the loop then
         computes them (`loop.Program.forward`) and hands them to `init` and `observe`; otherwise
         they are None.
+    levels: how many kinds of proposal the drafter makes (`propose_levels`); the adaptive loop
+        learns acceptance per level.
+    truncated: None, or truncated(k) -> the same drafter proposing k <= K tokens from the same
+        state, so that an adaptive round drafts only as many steps as it verifies (drafters whose
+        steps cost: a draft model; the lookup's search costs nothing and has None).
     backend (every method that runs a model): the program's `specjax.backend.Backend`.
+    `DrafterDefaults` gives levels = 1, propose_levels = propose with level 0, truncated = None.
     """
 
     k: int
     name: str
     uses_features: bool
+    levels: int
+    truncated: Callable[[int], "Drafter"] | None
 
     def init(self, params, prompt_BT, prompt_len_B, max_len: int, *, features_BTD=None, backend=None) -> Any:
         """The drafter's state after the prompts (a KV cache, or ()). features_BTD: the target's
@@ -60,15 +68,24 @@ class Drafter(Protocol):
         """The state after the target scored R = K + 1 fed positions (fed position j of row b is
         base_B[b] + j), with their features (None unless `uses_features`)."""
 
-    # Optional, for the adaptive loop (`loop.Program`, adaptive=True); a drafter without them works:
-    #   levels: int (default 1) and propose_levels(...) -> propose's tuple + level int32[B] in
-    #       [0, levels): which of its levels proposed each row (acceptance is learned per level).
-    #   truncated(k) -> the same drafter proposing k <= K tokens with the same state, so that a
-    #       round drafts only as many model steps as it will verify (drafters whose steps cost).
+    def propose_levels(self, params, state, seq_BS, lengths_B, key, temperature: float, *,
+                       backend=None) -> tuple[jax.Array, jax.Array, jax.Array | None, Any, jax.Array]:
+        """`propose`'s tuple and, per row, the level that proposed it: int32[B] in [0, levels)."""
 
 
-class _Stateless:
-    """Defaults of the `Drafter` methods a drafter without features does not need."""
+class DrafterDefaults:
+    """The `Drafter` members a drafter of one level, whose proposal is not cut short, need not write."""
+
+    levels: ClassVar[int] = 1
+    truncated: ClassVar[Any] = None
+
+    def propose_levels(self, params, state, seq_BS, lengths_B, key, temperature, *, backend=None):
+        out = self.propose(params, state, seq_BS, lengths_B, key, temperature, backend=backend)
+        return (*out, jnp.zeros_like(out[1]))
+
+
+class _Stateless(DrafterDefaults):
+    """Defaults of the `Drafter` members a drafter without features does not need."""
 
     uses_features: ClassVar[bool] = False
 
@@ -321,7 +338,7 @@ class FeatureState:
 
 
 @dataclasses.dataclass(frozen=True)
-class FeatureDrafter:
+class FeatureDrafter(DrafterDefaults):
     """A feature draft (`specjax.models.feature_draft`): K chained steps of one layer over the
     target's hidden states. Each round first re-feeds the K + 1 positions the target scored
     last, with their true features (the accepted ones are the row's new history; the rest is
@@ -407,7 +424,7 @@ class FeatureDrafter:
 
 
 @dataclasses.dataclass(frozen=True)
-class LookupFirst:
+class LookupFirst(DrafterDefaults):
     """Prompt lookup where it finds a match, the feature draft elsewhere: `("pld", FeatureDraft)`.
 
     FLy's multi-level check (`MultiLevel`: the draft model scores the lookup's proposal in one

@@ -157,7 +157,6 @@ class Engine:
             matmul == "auto" and mesh is None and jax.default_backend() == "cpu" and native.available())
         self.layers, self.matmul = layers, matmul
         self.adaptive, self.costs = adaptive, costs
-        self._measured = {}  # batch size -> CostTable measured for this engine (costs=None)
         self.target, self.k = target, int(k)
         self.prompt_bucket = None if prompt_bucket is None else int(prompt_bucket)
         self.max_new_tokens, self.max_len = int(max_new_tokens), max_len
@@ -251,23 +250,12 @@ class Engine:
         return program, dict(params=self.params, **inputs)
 
     def _costs(self, program: loop.Program, batch_size: int, measure: bool = True):
-        """The adaptive program's cost input (verify seconds at its compiled widths, a draft
-        step) from the engine's table, measured for this batch size if none was given; ()
-        for a program that does not adapt. measure=False (lowering: only the shapes matter, and a
-        deviceless AOT target cannot be timed): ones where no table is at hand."""
+        """The adaptive program's cost input (`loop.Program.cost_input`) from this batch size's table;
+        () for a program that does not adapt. measure=False (lowering: only the shapes matter, and a
+        deviceless AOT target cannot be timed): flat figures where no table was given."""
         if not program.adapts:
             return ()
-        table = self.costs
-        if table is None and not measure and batch_size not in self._measured:
-            return {"verify_W": np.ones(len(program.widths), np.float32), "draft_step": np.float32(0.0)}
-        if table is None:
-            table = self._measured.get(batch_size)
-            if table is None:
-                from specjax import costs  # host-side measuring, only for engines without a table
-
-                table = self._measured[batch_size] = costs.measured(self, batch_size)
-        return {"verify_W": np.asarray([table.verify_s[w - 1] for w in program.widths], np.float32),
-                "draft_step": np.float32(table.draft_step_s)}
+        return program.cost_input(self.cost_table(batch_size) if measure or self.costs is not None else None)
 
     def cost_table(self, batch_size: int = 1):
         """The `specjax.costs.CostTable` the adaptive loop weighs widths against for this batch size
@@ -275,9 +263,9 @@ class Engine:
         if self.drafter is None or not self.adaptive:
             return None
         if self.costs is None:
-            self._costs(loop.Program(config=self.target.config, max_new_tokens=1, max_len=2, temperature=0.0,
-                                     top_p=1.0, eos_ids=(), drafter=self.drafter, adaptive=True), batch_size)
-            return self._measured[batch_size]
+            from specjax import costs  # host-side measuring, only for engines without a table
+
+            return costs.measured(self, batch_size)  # each figure measured once per process (costs._MEMORY)
         return self.costs
 
     def _rule_state(self, batch_size: int, given):
@@ -328,11 +316,7 @@ class Engine:
         program, args = self._prepare(prompts, rule_state, draft_prompts=draft_prompts)
         out = jax.device_get(program.run(**args))
         tokens = [out.seq_BS[b, len(p): len(p) + out.num_out_B[b]].tolist() for b, p in enumerate(prompts)]
-        stats = loop.statistics(out.counters, out.rule_state)
-        if program.adapts:  # rounds per verified width (index = width; 1: a plain step) and their mean
-            widths = np.asarray(out.widths_W)
-            stats["widths"] = widths.tolist()
-            stats["mean_width"] = float((widths * np.arange(widths.size)).sum() / max(int(widths.sum()), 1))
+        stats = loop.statistics(out.counters, out.rule_state, out.widths_W)
         return flag_invalid(GenerateOutput(tokens, stats, out.rule_state))
 
     def lower(self, prompts: Sequence[Sequence[int]], rule_state=None, draft_prompts=None) -> jax.stages.Lowered:

@@ -180,6 +180,15 @@ class Program:
         """The compiled verify widths."""
         return adaptive_widths(self.k) if self.adaptive else verify_widths(self.k)
 
+    def cost_input(self, table) -> dict:
+        """`run`'s costs from a `specjax.costs.CostTable` (seconds at every width 1 .. K + 1): its
+        figures at the compiled widths; None: flat figures, for a program only lowered (its shapes
+        are all that matter then)."""
+        if table is None:
+            return {"verify_W": np.ones(len(self.widths), np.float32), "draft_step": np.float32(0.0)}
+        return {"verify_W": np.asarray([table.verify_s[w - 1] for w in self.widths], np.float32),
+                "draft_step": np.float32(table.draft_step_s)}
+
     @functools.partial(jax.jit, static_argnames=("self",))
     def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state, costs=(), draft_prompt=()) -> Output:
         """The whole generation: prefill, then rounds until every row is done.
@@ -203,15 +212,16 @@ class Program:
         # replicated outputs: every process of a multi-process run reads them
         return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.layout.replicated)
 
-    def forward(self, params, tokens_BT, cache, select_BJ=None):
+    def forward(self, params, tokens_BT, cache, select_BJ=None, write=True):
         """The target on `tokens_BT` at each row's offset: (logits, its last layer's features where the
-        drafter reads them (`Drafter.uses_features`) else None, the cache with their keys and values)."""
+        drafter reads them (`Drafter.uses_features`) else None, the cache with their keys and values;
+        write=False: those keys and values, a `llama.NewKV`, the cache only read)."""
         if self.drafter is not None and self.drafter.uses_features:
             return llama.forward_features(self.config, params.target, tokens_BT, cache, dtype=self.dtype,
-                                          select_BJ=select_BJ, backend=self.backend)
-        logits, cache = llama.forward_cached(self.config, params.target, tokens_BT, cache, dtype=self.dtype,
-                                             select_BJ=select_BJ, backend=self.backend)
-        return logits, None, cache
+                                          select_BJ=select_BJ, backend=self.backend, write=write)
+        logits, kv = llama.forward_cached(self.config, params.target, tokens_BT, cache, dtype=self.dtype,
+                                          select_BJ=select_BJ, backend=self.backend, write=write)
+        return logits, None, kv
 
     # -- the pieces of the loop -------------------------------------------------
 
@@ -236,7 +246,7 @@ class Program:
                           num_out_B=jnp.zeros((B,), jnp.int32), done_B=jnp.zeros((B,), bool), key=key,
                           draft_state=self._shard("draft_cache", draft_state), rule_state=rule_state,
                           counters=Counters.zeros(B, self.k),
-                          adapt=Adapt.zeros(getattr(self.drafter, "levels", 1), self.k) if self.adapts else ())
+                          adapt=Adapt.zeros(self.drafter.levels, self.k) if self.adapts else ())
         state, _ = self.commit(state, first_B[:, None], jnp.ones((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
         return state
 
@@ -252,7 +262,7 @@ class Program:
         return state.replace(counters=state.counters.update(live_B=live_B, emitted_B=emitted_B))
 
     def speculative_round(self, params: Params, state: LoopState) -> LoopState:
-        K = self.k
+        """Draft, score the whole proposal (at the smallest compiled width covering it), verify, commit."""
         key, k_draft, k_verify = jax.random.split(state.key, 3)
         live_B = ~state.done_B
         # draft
@@ -262,23 +272,16 @@ class Program:
         # score: only as many positions as the live rows' longest proposal needs
         fed_BR = jnp.concatenate([pending(state)[:, None], drafts_BK], axis=1)
         width = jnp.max(jnp.where(live_B, num_draft_B, 0)) + 1
-        logits_BRV, cache, feats_BRD = self.score(params, fed_BR, state.cache, width)
+        logits_BRV, kv, feats_BRD = self.score(params, fed_BR, state.cache, width)
+        cache = self._shard("cache", llama.write_kv(state.cache, kv, width))
         draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)  # what the target saw
-        # verify (on a mesh, the backend's vocabulary sharding reduces the logits shard by shard)
+        # verify (on a mesh, the backend's vocabulary sharding reduces the logits shard by shard), commit
         verdict, rule_state, counts = self.rule(
             state.rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
             draft_probs_BKV=probs_BKV, temperature=self.temperature, backend=self.backend)
-        n_B = verdict.num_accepted
-        # commit d[:n] + [next]
-        j_R = jnp.arange(K + 1)
-        drafts_BR = jnp.concatenate([drafts_BK, jnp.zeros_like(drafts_BK[:, :1])], axis=1)
-        block_BR = jnp.where(j_R[None] < n_B[:, None], drafts_BR, verdict.next_token[:, None])
-        state = state.replace(cache=cache, key=key, draft_state=self._shard("draft_cache", draft_state),
-                              rule_state=rule_state)
-        state, emitted_B = self.commit(state, block_BR, n_B + 1, n_B + 1)
-        counters = state.counters.update(live_B=live_B, emitted_B=emitted_B, n_B=n_B, num_draft_B=num_draft_B,
-                                         counts=counts)
-        return state.replace(counters=counters)
+        state = state.replace(cache=cache, key=key, draft_state=draft_state, rule_state=rule_state)
+        return self._commit_round(state, live_B, drafts_BK, num_draft_B, verdict.num_accepted, verdict.next_token,
+                                  counts)
 
     def adaptive_round(self, params: Params, costs, state: LoopState) -> LoopState:
         """A speculative round that verifies only what pays: choose, draft, choose again, then a
@@ -291,7 +294,7 @@ class Program:
         verify_W = costs["verify_W"]
         # draft: a drafter whose steps cost drafts only as many as the best width (by its
         # levels' best estimates, all K offered) verifies; a plain step still feeds its cache
-        short = getattr(self.drafter, "truncated", None)
+        short = self.drafter.truncated
         if short is None:
             cap = jnp.int32(len(widths) - 1)
             drafts_BK, num_draft_B, probs_BKV, draft_state, level_B = _propose(
@@ -323,42 +326,52 @@ class Program:
         width = w_W[choice]
         num_draft_B = jnp.minimum(num_draft_B, width - 1)
         fed_BR = jnp.concatenate([pending(state)[:, None], drafts_BK], axis=1)
-        feats_pad = ((0, 0), (0, K), (0, 0))
 
+        # XLA copies the cache into a branch that writes it unless that branch is the only writer:
+        # the plain step writes in place (as target-only decoding does, no copy of the native
+        # attention's layer either), the verify only reads the cache and returns the new keys and
+        # values, written after the branches join (none after a plain step)
         def plain(cache, rule_state):  # nothing verified: the target-only step, no rule
             logits_B1V, feats_B1D, cache = self.forward(params, fed_BR[:, :1], cache)
-            logits_B1V, cache = self._shard("logits", logits_B1V), self._shard("cache", cache)
+            logits_B1V = self._shard("logits", logits_B1V)
             next_B = sample(k_verify, logits_B1V[:, 0], self.temperature, self.top_p)
             zi = jnp.zeros_like(next_B)
             counts = RoundCounts(zi, zi, jnp.zeros(next_B.shape, jnp.float32))
-            feats_BRD = None if feats_B1D is None else jnp.pad(feats_B1D, feats_pad)
-            return zi, next_B, cache, rule_state, counts, feats_BRD
+            return zi, next_B, cache, _no_kv(cache, K + 1), rule_state, counts, _pad_positions(feats_B1D, K + 1)
 
         def speculate(cache, rule_state):
-            logits_BRV, cache, feats_BRD = self.score(params, fed_BR, cache, width, widths[1:])
+            logits_BRV, kv, feats_BRD = self.score(params, fed_BR, cache, width, widths[1:])
             verdict, rule_state, counts = self.rule(
                 rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
                 draft_probs_BKV=probs_BKV, temperature=self.temperature, backend=self.backend)
-            return verdict.num_accepted, verdict.next_token, cache, rule_state, counts, feats_BRD
+            return verdict.num_accepted, verdict.next_token, cache, kv, rule_state, counts, feats_BRD
 
-        n_B, next_B, cache, rule_state, counts, feats_BRD = jax.lax.cond(
+        n_B, next_B, cache, kv, rule_state, counts, feats_BRD = jax.lax.cond(
             width == 1, plain, speculate, state.cache, state.rule_state)
+        cache = self._shard("cache", llama.write_kv(cache, kv, jnp.where(width == 1, 0, width)))
         draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)
-        # commit d[:n] + [next]
+        adapt = learn(state.adapt, level_B, num_draft_B, n_B, live_B)
+        adapt = adapt.replace(widths_W=adapt.widths_W.at[width].add(1))
+        state = state.replace(cache=cache, key=key, draft_state=draft_state, rule_state=rule_state, adapt=adapt)
+        return self._commit_round(state, live_B, drafts_BK, num_draft_B, n_B, next_B, counts)
+
+    def _commit_round(self, state: LoopState, live_B, drafts_BK, num_draft_B, n_B, next_B, counts) -> LoopState:
+        """The end of a speculative round (fixed or adaptive), `state` already holding the round's cache,
+        key, drafter and rule states: each live row emits d[:n] + [next], the counters add the round."""
+        K = drafts_BK.shape[1]
         drafts_BR = jnp.concatenate([drafts_BK, jnp.zeros_like(drafts_BK[:, :1])], axis=1)
         block_BR = jnp.where(jnp.arange(K + 1)[None] < n_B[:, None], drafts_BR, next_B[:, None])
-        state = state.replace(cache=cache, key=key, draft_state=self._shard("draft_cache", draft_state),
-                              rule_state=rule_state)
+        state = state.replace(draft_state=self._shard("draft_cache", state.draft_state))
         state, emitted_B = self.commit(state, block_BR, n_B + 1, n_B + 1)
         counters = state.counters.update(live_B=live_B, emitted_B=emitted_B, n_B=n_B, num_draft_B=num_draft_B,
                                          counts=counts)
-        adapt = learn(state.adapt, level_B, num_draft_B, n_B, live_B)
-        adapt = adapt.replace(widths_W=adapt.widths_W.at[width].add(1))
-        return state.replace(counters=counters, adapt=adapt)
+        return state.replace(counters=counters)
 
     def score(self, params: Params, fed_BR, cache, width, widths=None):
-        """The target's logits on the first `width` fed positions, padded to R = K + 1 rows
-        (and its features there for a feature drafter; else None).
+        """The target's logits on the first `width` fed positions, padded to R = K + 1 rows, their
+        keys and values (a `llama.NewKV` padded to R positions, for `llama.write_kv`: the cache is
+        only read, as XLA would copy it into each `lax.switch` branch that wrote it) and its
+        features there for a feature drafter (else None).
 
         A drafter may propose fewer than K tokens (prompt lookup, often none at all):
         on a CPU a 9-position forward costs about twice a 1-position one, so the
@@ -372,11 +385,9 @@ class Program:
 
         def at(w):
             def run(fed_BR, cache):
-                pad = ((0, 0), (0, R - w), (0, 0))
-                logits_BWV, feats_BWD, cache = self.forward(params, fed_BR[:, :w], cache)
-                feats_BRD = None if feats_BWD is None else jnp.pad(feats_BWD, pad)
-                logits_BRV = jnp.pad(logits_BWV, pad)
-                return self._shard("logits", logits_BRV), self._shard("cache", cache), feats_BRD
+                logits_BWV, feats_BWD, kv = self.forward(params, fed_BR[:, :w], cache, write=False)
+                logits_BRV = _pad_positions(logits_BWV, R)
+                return self._shard("logits", logits_BRV), _pad_positions(kv, R), _pad_positions(feats_BWD, R)
             return run
 
         if len(widths) == 1:
@@ -441,14 +452,24 @@ def adaptive_widths(K: int) -> tuple[int, ...]:
     return tuple(sorted({w for w in (1, 2, 3, 5, 9, 16, 32, 64) if w <= K + 1} | {K + 1}))
 
 
+def _pad_positions(x, R: int):
+    """`x` ([B, T, ...] arrays, or a `llama.NewKV` of [N, B, T, ...] ones, or None) zero-padded to R positions."""
+    if x is None:
+        return None
+    if isinstance(x, llama.NewKV):
+        return llama.NewKV(*(jnp.pad(a, [(0, 0), (0, 0), (0, R - a.shape[2])] + [(0, 0)] * (a.ndim - 3)) for a in x))
+    return jnp.pad(x, [(0, 0), (0, R - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def _no_kv(cache: KVCache, R: int) -> llama.NewKV:
+    """Zero keys and values of R positions: a branch that wrote its own in place hands these on."""
+    return llama.NewKV(*(jnp.zeros(a.shape[:2] + (R,) + a.shape[3:], a.dtype) for a in (cache.k, cache.v)))
+
+
 def _propose(drafter, draft_params, state: LoopState, key, temperature, backend):
-    """The drafter's proposal and, per row, the level that proposed it (0 for a drafter of one level)."""
-    if hasattr(drafter, "propose_levels"):
-        return drafter.propose_levels(draft_params, state.draft_state, state.seq_BS, state.cache.lengths, key,
-                                      temperature, backend=backend)
-    drafts_BK, num_draft_B, probs_BKV, draft_state = drafter.propose(
-        draft_params, state.draft_state, state.seq_BS, state.cache.lengths, key, temperature, backend=backend)
-    return drafts_BK, num_draft_B, probs_BKV, draft_state, jnp.zeros_like(num_draft_B)
+    """The drafter's proposal and, per row, the level that proposed it (`Drafter.propose_levels`)."""
+    return drafter.propose_levels(draft_params, state.draft_state, state.seq_BS, state.cache.lengths, key,
+                                  temperature, backend=backend)
 
 
 # --- what the loop counts, and the statistics of one call made from it ---
@@ -487,8 +508,9 @@ class Counters:
             spent_B=self.spent_B + counts.spent_B)
 
 
-def statistics(counters: Counters, rule_state: Any = ()) -> dict[str, Any]:
-    """The statistics of one call (host values; lists per request or per draft position)."""
+def statistics(counters: Counters, rule_state: Any = (), widths_W: Any = ()) -> dict[str, Any]:
+    """The statistics of one call (host values; lists per request or per draft position).
+    widths_W: an adaptive program's rounds per verified width (`Output.widths_W`), else ()."""
     c = jax.tree.map(np.asarray, counters)
     rounds_B = c.rounds_B
     # tau per request = tokens emitted by rounds / rounds; a request finished by its
@@ -516,6 +538,10 @@ def statistics(counters: Counters, rule_state: Any = ()) -> dict[str, Any]:
         "loose_share": loose / examined if examined else 0.0,
         "ledger_spent_per_request": c.spent_B.tolist(),
     })
+    if not isinstance(widths_W, tuple):  # rounds per verified width (index = width; 1: a plain step), their mean
+        widths = np.asarray(widths_W)
+        out["widths"] = widths.tolist()
+        out["mean_width"] = float((widths * np.arange(widths.size)).sum() / max(int(widths.sum()), 1))
     if isinstance(rule_state, CSDMemory):
         out["csd_memory_filled"] = int(rule_state.filled)
         out["csd_memory_capacity"] = rule_state.capacity

@@ -12,6 +12,12 @@ faster on XLA:CPU, see there):
 Attention masks keys by position only (key j is visible to a query at
 position p iff j <= p), so rejected draft tokens never need erasing: the next
 write simply overwrites them, and a row's length pointer is its truth.
+
+A forward either writes its new keys and values into the cache as it goes
+(`forward_cached`), or reads the cache only and returns them (`write=False`, a
+`NewKV`) for the caller to write once with `write_kv`: inside the branches of a
+`lax.switch` or `lax.cond` an in-place write makes XLA copy the whole cache into
+each branch, a deferred one writes a few positions after the branches join.
 """
 
 from __future__ import annotations
@@ -54,6 +60,29 @@ class KVCache(NamedTuple):
 def init_cache(config: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+class NewKV(NamedTuple):
+    """The keys and values of a forward's T fed tokens, not yet in the cache (`forward_cached(..., write=False)`)."""
+
+    k: jax.Array  # [N, B, T, G, Dh], the cache's dtype
+    v: jax.Array  # [N, B, T, G, Dh]
+
+
+def write_kv(cache: KVCache, new: NewKV, count=None) -> KVCache:
+    """`cache` with `new` written at each row's positions lengths[b] .. lengths[b] + T - 1 (the
+    first `count` of them when given: the rest, padding, are not written); lengths unchanged.
+    The same cache as the forward that computed `new` would have written in place."""
+    _, B, T = new.k.shape[:3]
+    S = cache.k.shape[2]
+    t_T = jnp.arange(T, dtype=jnp.int32)
+    pos_BT = cache.lengths[:, None] + t_T[None]
+    if count is not None:
+        pos_BT = jnp.where(t_T[None] < count, pos_BT, S)  # S: dropped
+    rows_B1 = jnp.arange(B)[:, None]
+    k = cache.k.at[:, rows_B1, pos_BT].set(new.k.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, rows_B1, pos_BT].set(new.v.astype(cache.v.dtype), mode="drop")
+    return KVCache(k, v, cache.lengths)
 
 
 class RMSNorm(nn.Module):
@@ -153,7 +182,11 @@ class Block(nn.Module):
     backend: Backend | None = None
 
     @nn.compact
-    def __call__(self, carry, layer, positions_BT, write_pos_BT):
+    def __call__(self, carry, layer, positions_BT, write_pos_BT, layer_kv=None):
+        """carry: (x, the cache's keys and values [N, B, S, G, Dh] or None), the cache written at
+        `write_pos_BT` in place; or, with `layer_kv` (this layer's keys and values [B, S, G, Dh],
+        read only: a deferred write), carry's cache is None and the layer's new keys and values
+        are its second output (else None)."""
         c = self.config
         x_BTD, cache_k, cache_v = carry
         D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
@@ -180,18 +213,27 @@ class Block(nn.Module):
         q_BTHDh = apply_rope(q_BTHDh, positions_BT, inv_freq)
         k_BTGDh = apply_rope(k_BTGDh, positions_BT, inv_freq)
 
-        if cache_k is None:  # full forward: attend over this call's tokens only
+        rows_B1 = jnp.arange(B)[:, None]
+        new_kv = None
+        if layer_kv is not None:  # deferred: the same keys as an in-place write, in this layer's copy only
+            layer_k, layer_v = layer_kv
+            new_kv = (k_BTGDh.astype(layer_k.dtype), v_BTGDh.astype(layer_v.dtype))
+            keys_BSGDh = layer_k.at[rows_B1, write_pos_BT].set(new_kv[0], mode="drop")
+            values_BSGDh = layer_v.at[rows_B1, write_pos_BT].set(new_kv[1], mode="drop")
+            stack_k, stack_v, at_layer = keys_BSGDh[None], values_BSGDh[None], 0
+        elif cache_k is None:  # full forward: attend over this call's tokens only
             keys_BSGDh, values_BSGDh = k_BTGDh, v_BTGDh
+            stack_k = None
         else:  # write at each row's own offset, in place in the carried cache
-            rows_B1 = jnp.arange(B)[:, None]
             cache_k = cache_k.at[layer, rows_B1, write_pos_BT].set(k_BTGDh.astype(cache_k.dtype), mode="drop")
             cache_v = cache_v.at[layer, rows_B1, write_pos_BT].set(v_BTGDh.astype(cache_v.dtype), mode="drop")
             keys_BSGDh, values_BSGDh = cache_k[layer], cache_v[layer]
+            stack_k, stack_v, at_layer = cache_k, cache_v, layer
         S = keys_BSGDh.shape[1]
 
-        if cache_k is not None and backend.native_attention and backend.kernels.attention_supported(q_BTHDh, cache_k):
+        if stack_k is not None and backend.native_attention and backend.kernels.attention_supported(q_BTHDh, stack_k):
             # each query over its visible keys only, the stack read in place (no copy of the layer)
-            attn_BTHDh = backend.kernels.attention(q_BTHDh, cache_k, cache_v, layer, positions_BT)
+            attn_BTHDh = backend.kernels.attention(q_BTHDh, stack_k, stack_v, at_layer, positions_BT)
         else:
             q_BTGQDh = q_BTHDh.reshape(B, T, G, H // G, Dh)
             scores = jnp.einsum("btgqk,bsgk->bgqts", q_BTGQDh, keys_BSGDh.astype(self.dtype),
@@ -206,7 +248,7 @@ class Block(nn.Module):
         gate_BTF = mm("btd,df->btf", h_BTD, "w_gate", (D, c.intermediate_size))
         up_BTF = mm("btd,df->btf", h_BTD, "w_up", (D, c.intermediate_size))
         x_BTD = x_BTD + mm("btf,fd->btd", nn.silu(gate_BTF) * up_BTF, "w_down", (c.intermediate_size, D))
-        return (x_BTD, cache_k, cache_v), None
+        return (x_BTD, cache_k, cache_v), new_kv
 
 
 class Transformer(nn.Module):
@@ -234,7 +276,10 @@ class Transformer(nn.Module):
         return any(relaid(w) for w in jax.tree.leaves(stack, is_leaf=relaid))
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None, select_BJ=None, features=False):
+    def __call__(self, tokens_BT, positions_BT, cache_kv=None, write_pos_BT=None, select_BJ=None, features=False,
+                 write=True):
+        """(logits, the cache's (keys, values) written, or with write=False the new ones (`NewKV`)
+        [, the last layer's features when `features`])."""
         c = self.config
         # Stored [D, V], the LM head's layout: the tied head reads the whole table every
         # step (measured 1.5x faster than contracting a [V, D] table on CPU); the lookup
@@ -245,23 +290,33 @@ class Transformer(nn.Module):
         if not isinstance(embed_DV, quant.BlockQuant):
             embed_DV = embed_DV.astype(self.dtype)
         cache_k, cache_v = cache_kv if cache_kv is not None else (None, None)
+        # a deferred write reads each layer's slice of the cache (a scanned input, never carried:
+        # a carried cache that a branch does not own would be copied into the loop)
+        stack_kv, new_kv = (None, None) if write else ((cache_k, cache_v), None)
+        if stack_kv is not None:
+            cache_k = cache_v = None
         if self.unrolled:
-            carry = (x_BTD, cache_k, cache_v)
+            carry, per_layer = (x_BTD, cache_k, cache_v), []
             for i in range(c.num_layers):
-                carry, _ = Block(c, self.dtype, backend=self.backend, name=f"layer_{i}")(carry, i, positions_BT,
-                                                                                        write_pos_BT)
+                layer_kv = None if stack_kv is None else (stack_kv[0][i], stack_kv[1][i])
+                carry, kv = Block(c, self.dtype, backend=self.backend, name=f"layer_{i}")(
+                    carry, i, positions_BT, write_pos_BT, layer_kv)
+                per_layer.append(kv)
             x_BTD, cache_k, cache_v = carry
+            if stack_kv is not None:
+                new_kv = NewKV(jnp.stack([kv[0] for kv in per_layer]), jnp.stack([kv[1] for kv in per_layer]))
         elif self._packed_stack():  # the stack read in place by the native kernel (Block.stacked)
             layers = nn.scan(Block, variable_broadcast="params", split_rngs={"params": False},
-                             in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(
+                             in_axes=(0, nn.broadcast, nn.broadcast, 0), length=c.num_layers)(
                 c, self.dtype, stacked=True, backend=self.backend, name="layers")
         else:
             layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                             in_axes=(0, nn.broadcast, nn.broadcast), length=c.num_layers)(
+                             in_axes=(0, nn.broadcast, nn.broadcast, 0), length=c.num_layers)(
                 c, self.dtype, backend=self.backend, name="layers")
         if not self.unrolled:
-            (x_BTD, cache_k, cache_v), _ = layers((x_BTD, cache_k, cache_v), jnp.arange(c.num_layers),
-                                                  positions_BT, write_pos_BT)
+            (x_BTD, cache_k, cache_v), kv = layers((x_BTD, cache_k, cache_v), jnp.arange(c.num_layers),
+                                                   positions_BT, write_pos_BT, stack_kv)
+            new_kv = None if stack_kv is None else NewKV(*kv)
         features_BTD = x_BTD  # the last layer's output at every position (a feature draft reads it)
         if select_BJ is not None:  # only these positions need logits (prefill: each row's last)
             x_BTD = jnp.take_along_axis(x_BTD, select_BJ[:, :, None], axis=1)
@@ -276,9 +331,10 @@ class Transformer(nn.Module):
             logits_BTV = jnp.where(real_V, logits_BTV, -jnp.inf)
         # float32 where the logits leave the model: the rules' gates, entropies and ledgers
         # are computed in float32 whatever the compute dtype (docs/rules.md)
+        kv_out = (cache_k, cache_v) if new_kv is None else new_kv
         if features:
-            return logits_BTV.astype(jnp.float32), (cache_k, cache_v), features_BTD
-        return logits_BTV.astype(jnp.float32), (cache_k, cache_v)
+            return logits_BTV.astype(jnp.float32), kv_out, features_BTD
+        return logits_BTV.astype(jnp.float32), kv_out
 
 
 def embed_tokens(embed_DV, tokens_BT, dtype=jnp.float32):
@@ -301,27 +357,30 @@ def forward(config: Config, params, tokens_BT, *, dtype=jnp.float32, backend=Non
 
 
 def forward_cached(config: Config, params, tokens_BT, cache: KVCache, *, dtype=jnp.float32, select_BJ=None,
-                   backend=None):
+                   backend=None, write=True):
     """Scores T new tokens per row at positions lengths[b] .. lengths[b]+T-1.
 
     Writes their keys and values into the cache but does not advance `lengths`:
     the caller commits by moving the length pointer (by the number of tokens it
     keeps), so a rejected suffix is forgotten without being erased.
     `select_BJ` (int32[B, J], indices into T) computes logits only at those
-    positions. Returns (logits float32[B, T or J, V], cache with the new keys/values written).
+    positions. Returns (logits float32[B, T or J, V], cache with the new keys/values written);
+    write=False: (logits, the new keys and values, a `NewKV` for `write_kv`), the cache only read
+    (the same logits, bit for bit).
     """
     B, T = tokens_BT.shape
     positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    logits, (k, v) = Transformer(config, dtype, is_unrolled(params), backend).apply(
-        {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT, select_BJ)
-    return logits, KVCache(k, v, cache.lengths)
+    logits, kv = Transformer(config, dtype, is_unrolled(params), backend).apply(
+        {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT, select_BJ, write=write)
+    return logits, (KVCache(*kv, cache.lengths) if write else kv)
 
 
 def forward_features(config: Config, params, tokens_BT, cache: KVCache | None = None, *, dtype=jnp.float32,
-                     select_BJ=None, backend=None):
+                     select_BJ=None, backend=None, write=True):
     """`forward` (cache None) or `forward_cached`, also returning the last layer's output before
-    the final norm at every fed position: (logits, features [B, T, D] in `dtype`, cache or None).
-    The target's features are what a feature draft (`specjax.models.feature_draft`) reads."""
+    the final norm at every fed position: (logits, features [B, T, D] in `dtype`, cache or None;
+    with write=False the `NewKV` in its place). The target's features are what a feature draft
+    (`specjax.models.feature_draft`) reads."""
     B, T = tokens_BT.shape
     if cache is None:
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -329,9 +388,9 @@ def forward_features(config: Config, params, tokens_BT, cache: KVCache | None = 
             {"params": params}, tokens_BT, positions_BT, select_BJ=select_BJ, features=True)
         return logits, feats, None
     positions_BT = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    logits, (k, v), feats = Transformer(config, dtype, is_unrolled(params), backend).apply(
-        {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT, select_BJ, True)
-    return logits, feats, KVCache(k, v, cache.lengths)
+    logits, kv, feats = Transformer(config, dtype, is_unrolled(params), backend).apply(
+        {"params": params}, tokens_BT, positions_BT, (cache.k, cache.v), positions_BT, select_BJ, True, write)
+    return logits, feats, (KVCache(*kv, cache.lengths) if write else kv)
 
 
 def is_unrolled(params) -> bool:
