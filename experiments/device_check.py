@@ -1,9 +1,12 @@
 r"""One short accelerator check: kernels and engine on GPU/TPU, with timings.
 
 Weights are random with the real shapes where the checkpoint files are not on
-the machine (SmolLM2-135M, Qwen2.5-Coder 1.5B/0.5B). Checks that speculative
-greedy decoding equals target-only greedy on the device, and times target-only
-and speculative decoding (medians of interleaved runs).
+the machine (SmolLM2-135M, Qwen2.5-Coder 1.5B/0.5B), in --dtype (bf16 by default,
+as served). Checks that speculative greedy decoding equals target-only greedy on
+the device, and times target-only and speculative decoding (medians of
+interleaved runs): fixed K = 8 beside the adaptive loop (the Engine's default,
+K = 8 its maximum), with the widths it chose and the cost table it measured on
+the device (verify seconds per width, in target steps).
 
     python experiments/device_check.py --out /tmp/device.md
 """
@@ -21,6 +24,7 @@ _OUT = flags.DEFINE_string("out", "", "Also write the report here.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens per request.")
 _REPS = flags.DEFINE_integer("reps", 3, "Interleaved repetitions.")
 _QWEN = flags.DEFINE_boolean("qwen", True, "Also the Qwen 1.5B/0.5B shapes.")
+_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "The models' dtype.")
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                num_kv_heads=3, head_dim=64, rope_theta=1e5, tie_embeddings=True)
@@ -39,7 +43,11 @@ def main(argv):
     import specjax
     from specjax.models import Config, random_model
 
-    lines = [f"device: {jax.devices()[0].device_kind} ({jax.devices()[0].platform}), jax {jax.__version__}"]
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(_DTYPE.value)
+    lines = [f"device: {jax.devices()[0].device_kind} ({jax.devices()[0].platform}), jax {jax.__version__}, "
+             f"{_DTYPE.value} weights"]
 
     def log(msg):
         print(msg, flush=True)
@@ -56,17 +64,19 @@ def main(argv):
 
     for name, cfg, draft_cfg in [("smollm2-135m (random weights)", SMOLLM2, None),
                                  ("qwen2.5-coder-1.5b (random weights)", QWEN15, QWEN05)][: 2 if _QWEN.value else 1]:
-        target = random_model(Config(**cfg), seed=1)
+        target = random_model(Config(**cfg), seed=1, dtype=dtype)
         drafts = {"pld": "pld", "self:8": "self:8"}
         if draft_cfg is not None:
-            drafts["draft-0.5b-shape"] = random_model(Config(**draft_cfg), seed=2)
+            drafts["draft-0.5b-shape"] = random_model(Config(**draft_cfg), seed=2, dtype=dtype)
         for batch_size in (1, 8):
             batch = prompts[:batch_size]
+            settings = dict(k=8, max_new_tokens=_NEW.value, eos_ids=())
             engines = {"target-only": specjax.Engine(target, max_new_tokens=_NEW.value, eos_ids=())}
             for label, d in drafts.items():
-                engines[f"exact/{label}"] = specjax.Engine(target, draft=d, k=8, max_new_tokens=_NEW.value, eos_ids=())
-            engines["fly/pld"] = specjax.Engine(target, draft="pld", method="fly", k=8, max_new_tokens=_NEW.value,
-                                                eos_ids=())
+                engines[f"exact/{label}"] = specjax.Engine(target, draft=d, **settings, adaptive=False)
+                engines[f"exact/{label}/adaptive"] = specjax.Engine(target, draft=d, **settings)
+            engines["fly/pld"] = specjax.Engine(target, draft="pld", method="fly", **settings, adaptive=False)
+            engines["fly/pld/adaptive"] = specjax.Engine(target, draft="pld", method="fly", **settings)
             results = {k: [] for k in engines}
             outs = {}
             for label, e in engines.items():  # compile
@@ -80,12 +90,21 @@ def main(argv):
                 for label, e in engines.items():
                     results[label].append(timed(e, batch)[0])
             base = statistics.median(results["target-only"])
-            log(f"\n{name}, batch {batch_size}, {_NEW.value} new tokens, K=8")
-            log("| config | tokens/s | x target-only | tau |")
-            log("|---|---|---|---|")
+            log(f"\n{name}, batch {batch_size}, {_NEW.value} new tokens, K=8 (fixed, or the adaptive loop's maximum)")
+            log("| config | tokens/s | x target-only | tau | widths chosen (width: rounds) |")
+            log("|---|---|---|---|---|")
             for label, tps in results.items():
                 med = statistics.median(tps)
-                log(f"| {label} | {med:.1f} | {med / base:.2f} | {outs[label].stats['tau']:.2f} |")
+                widths = outs[label].stats.get("widths")
+                chosen = ", ".join(f"{w}: {n}" for w, n in enumerate(widths or []) if n) or "-"
+                log(f"| {label} | {med:.1f} | {med / base:.2f} | {outs[label].stats['tau']:.2f} | {chosen} |")
+            for label, e in engines.items():
+                table = e.cost_table(batch_size) if label.endswith("/adaptive") else None
+                if table is not None:
+                    steps, draft = table.in_steps()
+                    log(f"cost table ({label}, measured here): verify in target steps "
+                        + " ".join(f"w{i + 1}={x:.2f}" for i, x in enumerate(steps))
+                        + f"; draft step {draft:.2f}; width 1 = {table.verify_s[0] * 1e3:.2f} ms")
     if _OUT.value:
         with P.atomic_open(_OUT.value, "w") as f:
             f.write("\n".join(lines) + "\n")
