@@ -188,4 +188,4 @@ def test_generate_default_request_compares_medians_and_says_what_it_shows(tmp_pa
     assert ">>> Fix the spelling mistakes in this paragraph:" in out.stdout
     line = next(line for line in out.stdout.splitlines() if line.startswith("target-only:"))
     assert "x, tau" in line and line.endswith("medians of 2 runs each")
-    assert "where prompt lookup pays" in out.stdout and "falls back to about target-only speed" in out.stdout
+    assert "where prompt lookup pays" in out.stdout and "On a free chat question" in out.stdout
