@@ -13,11 +13,15 @@ loop's choices must be the same program everywhere.
 `CostTable.from_ratios` builds a table from a published profile (a verify pass of width w
 costs r_w target steps), e.g. a device's figures read off a results file.
 
-Measuring (`measured`): the target's forward over 1 and over K + 1 positions of a half-full
-cache, and one draft-model step, each the fastest of 7 calls after a warm-up; widths in between
-are interpolated linearly. Each figure compiles one small program (for the tiny test models a
-fraction of a second) and is kept per figure, so engines that differ only in K or drafter share
-the width-1 and draft figures, in this process and on disk.
+Measuring (`measured`): a whole round of the engine's own adaptive loop at each compiled width,
+forced through the cost input, a few rounds in a compiled loop as the while_loop runs them
+(drafting, the target's forward, the rule, the commit and the policy's bookkeeping all counted:
+on a CPU a round of a small model costs well more than its bare forward), the fastest of 5
+calls after a warm-up; and, for a draft model whose steps the loop chooses, one draft step,
+which is then counted apart (the loop adds w - 1 draft steps to a width's verify cost before
+drafting, and weighs only the verify once the drafts are made). Widths that are not compiled
+are interpolated linearly. The figures are kept per engine configuration (drafter, rule, K,
+sampling), in this process and on disk.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ import time
 import warnings
 from typing import Mapping, Sequence
 
-_FORMAT = "specjax-costs-1"
-_MEMORY: dict[str, float] = {}  # key -> measured seconds, for the engines of this process
+_FORMAT = "specjax-costs-2"
+_MEMORY: dict[str, tuple[float, ...]] = {}  # key -> measured seconds, for the engines of this process
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,8 +149,9 @@ def cpu_model() -> str:
 
 
 def cache_key(engine, batch: int, what: str) -> str:
-    """Everything a measurement depends on, hashed: `what` is "verify:W" (the target's forward at
-    width W) or "draft" (one step of the draft model)."""
+    """Everything a measurement depends on, hashed: `what` is "rounds" (the engine's adaptive round at
+    each compiled width: drafter, rule, K and sampling included) or "draft" (one step of the draft
+    model)."""
     import jax
 
     model = getattr(engine.drafter, "model", engine.drafter)
@@ -159,35 +164,40 @@ def cache_key(engine, batch: int, what: str) -> str:
     if what == "draft":
         parts.update(draft=repr(model.config), draft_dtype=str(model.dtype))
     else:
-        parts.update(target=repr(engine.target.config))
+        parts.update(target=repr(engine.target.config), drafter=repr(engine.drafter), rule=repr(engine.rule),
+                     k=engine.k, sampling=[engine.temperature, engine.top_p])
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def measured(engine, batch: int) -> CostTable:
-    """The engine's table for `batch` rows, each figure from this process, from disk, or measured now.
-
-    Measured: the target's forward at widths 1 and K + 1 (linear in between: a verify's cost is
-    about affine in its width on a CPU, and flat-then-linear on an accelerator is bounded by it),
-    and, for a draft model whose steps the loop chooses (`Drafter.truncated`), one step of it."""
+    """The engine's table for `batch` rows, from this process, from disk, or measured now: its whole
+    adaptive round at each compiled width, less the draft steps of a draft model whose steps the loop
+    chooses (`Drafter.truncated`), which are timed apart."""
     import jax
 
-    widths = sorted({1, engine.k + 1})
-    seconds = {w: _remembered(engine, batch, f"verify:{w}", lambda w=w: _verify_seconds(engine, batch, w))
-               for w in widths}
-    seconds = {w: max(s, seconds[1]) for w, s in seconds.items()}  # a wider verify never costs less
+    from specjax import loop
+
+    widths = loop.adaptive_widths(engine.k)
+    rounds = _remembered(engine, batch, "rounds", lambda: _round_seconds(engine, batch, widths))
     draft_s = 0.0
-    if getattr(engine.drafter, "truncated", None) is not None:
-        draft_s = _remembered(engine, batch, "draft", lambda: _draft_seconds(engine, batch))
+    if engine.drafter.truncated is not None:  # the loop drafts w - 1 steps (one for a plain step)
+        draft_s = _remembered(engine, batch, "draft", lambda: (_draft_seconds(engine, batch),))[0]
+    seconds, floor = {}, 0.0
+    for w, s in zip(widths, rounds):
+        # the verify part; never below a narrower width's (a wider round costs no less), nor below
+        # a tenth of the round (a draft step timed alone may cost more than inside the loop)
+        floor = max(floor, s - draft_s * max(w - 1, 1), 0.1 * s)
+        seconds[w] = floor
     return CostTable(verify_s=tuple(_interpolate(seconds, engine.k + 1)), draft_step_s=draft_s,
                      platform=f"{jax.default_backend()}: {cpu_model()}",
-                     source=f"measured, batch {batch}, widths {widths}")
+                     source=f"measured rounds, batch {batch}, widths {list(widths)}")
 
 
-def _remembered(engine, batch: int, what: str, measure) -> float:
-    """One figure, the same in every process: the loop's widths hang on it, and processes that
+def _remembered(engine, batch: int, what: str, measure) -> tuple[float, ...]:
+    """Figures, the same in every process: the loop's widths hang on them, and processes that
     weighed widths differently would run different programs on one mesh (and hang or abort). So
     with several processes, process 0's disk decides whether to measure, all processes measure
-    together (the forward is a collective on a mesh they share) and all take process 0's figure."""
+    together (the forward is a collective on a mesh they share) and all take process 0's figures."""
     import jax
 
     key = cache_key(engine, batch, what)
@@ -197,14 +207,14 @@ def _remembered(engine, batch: int, what: str, measure) -> float:
     first = jax.process_index() == 0
     seconds = _agreed(_read(path) if first else None)
     if seconds is None:
-        seconds = _agreed(measure())
+        seconds = _agreed(tuple(measure()))
         if first:
             _write(path, what, seconds)
     _MEMORY[key] = seconds
     return seconds
 
 
-def _agreed(seconds: float | None) -> float | None:
+def _agreed(seconds: tuple[float, ...] | None) -> tuple[float, ...] | None:
     """Process 0's `seconds` in every process (None stays None); as given with one process."""
     import jax
 
@@ -213,25 +223,55 @@ def _agreed(seconds: float | None) -> float | None:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    value = float(multihost_utils.broadcast_one_to_all(np.float32(np.nan if seconds is None else seconds)))
-    return None if math.isnan(value) else value
+    # the other processes may not know how many figures process 0 holds: its count goes first
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if seconds is None else len(seconds))))
+    if n < 0:
+        return None
+    mine = np.zeros((n,), np.float32) if seconds is None else np.asarray(seconds, np.float32)
+    return tuple(float(x) for x in multihost_utils.broadcast_one_to_all(mine))
 
 
-_CACHE_LEN = 256  # the cache the timings run on, half full
+_CACHE_LEN = 256  # the draft step's cache, half full
+_PROMPT = 128  # the rounds' prompt length
+_ROUNDS = 3  # rounds per timed call
 
 
-def _verify_seconds(engine, batch: int, width: int) -> float:
+def _round_seconds(engine, batch: int, widths) -> tuple[float, ...]:
+    """Seconds of one round of the engine's adaptive loop at each compiled width: `_ROUNDS` rounds
+    per call (`loop.Program.rounds`), the width forced by making every other width cost 1e30, from
+    the state after a prompt of up to `_PROMPT` ids; the fastest of 5 calls after a warm-up, per
+    width. One program serves every width (the costs are its input); within a width the state goes
+    on from call to call, its cache donated, as the while_loop updates it in place."""
+    import dataclasses
+
     import jax
-    import jax.numpy as jnp
+    import numpy as np
 
-    from specjax.models import llama
+    reps = 5
+    room = (reps + 1) * _ROUNDS * (engine.k + 1)  # tokens a width's calls can emit at most
+    n = _PROMPT if engine.max_len is None else min(_PROMPT, engine.max_len - engine.max_new_tokens - engine.k - 1)
+    V = engine.target.config.vocab_size
+    prompt = [(7919 * i + 13) % V for i in range(max(n, 1))]
+    program, args = engine._prepare([prompt] * batch, measure=False)
+    max_len = -(-(len(prompt) + room + engine.k + 1) // 128) * 128
+    # no row may finish while timed: no end-of-sequence ids, room for every call's tokens
+    program = dataclasses.replace(program, max_new_tokens=room, max_len=max_len, eos_ids=())
+    out = []
+    for i in range(len(widths)):
+        verify_W = np.full((len(widths),), 1e30, np.float32)
+        verify_W[i] = 1.0
+        costs = {"verify_W": verify_W, "draft_step": np.float32(0.0)}
+        if engine.layout is not None:
+            costs = jax.device_put(costs, engine.layout.replicated)
+        state = program.start(**args)
 
-    cfg, dtype, backend = engine.target.config, engine.target.dtype, engine.backend
-    cache = llama.init_cache(cfg, batch, _CACHE_LEN, dtype)
-    cache = cache._replace(lengths=jnp.full((batch,), _CACHE_LEN // 2, jnp.int32))
-    tokens = jnp.ones((batch, width), jnp.int32)
-    fn = jax.jit(lambda p, c: llama.forward_cached(cfg, p, tokens, c, dtype=dtype, backend=backend)[0])
-    return _time(lambda: fn(engine.params.target, cache))
+        def call():
+            nonlocal state
+            state = program.rounds(args["params"], costs, state, _ROUNDS)
+            return state.cache.lengths
+
+        out.append(_time(call, reps) / _ROUNDS)
+    return tuple(out)
 
 
 def _draft_seconds(engine, batch: int) -> float:
@@ -270,7 +310,7 @@ def _directory():
     return presets.cache_dir() / "costs"
 
 
-def _read(path) -> float | None:
+def _read(path) -> tuple[float, ...] | None:
     """The seconds stored at `path`, or None (absent; damaged: warned, measured again)."""
     try:
         raw = path.read_bytes()
@@ -281,16 +321,19 @@ def _read(path) -> float | None:
         body = json.dumps(doc["entry"], sort_keys=True)
         if doc.get("format") != _FORMAT or doc.get("sha256") != hashlib.sha256(body.encode()).hexdigest():
             raise ValueError("checksum or format mismatch")
-        return _seconds("stored", doc["entry"]["seconds"], positive=True)
+        stored = doc["entry"]["seconds"]
+        if not isinstance(stored, list) or not stored:
+            raise ValueError("no figures")
+        return tuple(_seconds("stored", x, positive=True) for x in stored)
     except (ValueError, KeyError, TypeError) as e:
         warnings.warn(f"{path}: damaged cost measurement ({e}); measuring again", stacklevel=3)
         return None
 
 
-def _write(path, what: str, seconds: float) -> None:
+def _write(path, what: str, seconds: tuple[float, ...]) -> None:
     from specjax import _files
 
-    entry = {"what": what, "seconds": seconds, "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d")}
+    entry = {"what": what, "seconds": list(seconds), "cpu": cpu_model(), "date": time.strftime("%Y-%m-%d")}
     doc = {"format": _FORMAT, "entry": entry,
            "sha256": hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()}
     try:

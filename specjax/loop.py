@@ -75,10 +75,12 @@ class LoopState:
     adapt: Any = ()  # Adapt (acceptance counts, widths chosen) when the program is adaptive, else ()
 
 
-# The adaptive policy's constants. Counts decay by DECAY per round, so an estimate rests on about
-# the last 1 / (1 - DECAY) = 20 rounds, and a position that is no longer verified drifts back to
-# the optimistic prior (mean PRIOR_ACCEPT, weight PRIOR_WEIGHT rounds): that is the exploration,
-# a narrow policy widens again after some rounds and relearns (no separate probe rounds).
+# The adaptive policy's constants. A level's counts decay by DECAY in each round in which it
+# proposed something (verified or not; a round with nothing proposed tells nothing and ages
+# nothing), so an estimate rests on about the last 1 / (1 - DECAY) = 20 such rounds, and a
+# position that is no longer verified drifts back to the optimistic prior (mean PRIOR_ACCEPT,
+# weight PRIOR_WEIGHT rounds): that is the exploration, a narrow policy widens again after some
+# rounds and relearns (no separate probe rounds).
 DECAY = 0.95
 PRIOR_ACCEPT = 0.8
 PRIOR_WEIGHT = 2.0
@@ -121,17 +123,21 @@ def choose_width(expected_BW, live_B, cost_W, allowed_W) -> jax.Array:
     return jnp.argmax(jnp.where(allowed_W, rate_W, -jnp.inf)).astype(jnp.int32)
 
 
-def learn(adapt: Adapt, level_B, num_draft_B, n_B, live_B) -> Adapt:
-    """Decays the counts and adds this round's: per row, the verified positions up to the first
-    rejection were tried, the accepted ones hit."""
+def learn(adapt: Adapt, level_B, num_draft_B, n_B, live_B, proposed_B=None) -> Adapt:
+    """Adds this round's counts: per row, the verified positions (`num_draft_B`) up to the first
+    rejection were tried, the accepted ones hit. A level's counts first decay if a live row of it
+    proposed anything (`proposed_B`, before the width cut it; default `num_draft_B`)."""
     L, K = adapt.hits_LK.shape
+    proposed_B = num_draft_B if proposed_B is None else proposed_B
     j_K = jnp.arange(K)
     verified_BK = live_B[:, None] & (j_K[None] < num_draft_B[:, None])
     reached_BK = (verified_BK & (j_K[None] <= n_B[:, None])).astype(jnp.float32)
     hit_BK = (verified_BK & (j_K[None] < n_B[:, None])).astype(jnp.float32)
     level_BL = (level_B[:, None] == jnp.arange(L)[None]).astype(jnp.float32)
-    return adapt.replace(hits_LK=DECAY * adapt.hits_LK + level_BL.T @ hit_BK,
-                         trials_LK=DECAY * adapt.trials_LK + level_BL.T @ reached_BK)
+    asked_L = (level_BL.T @ (live_B & (proposed_B > 0)).astype(jnp.float32)) > 0
+    decay_L1 = jnp.where(asked_L, DECAY, 1.0)[:, None]
+    return adapt.replace(hits_LK=decay_L1 * adapt.hits_LK + level_BL.T @ hit_BK,
+                         trials_LK=decay_L1 * adapt.trials_LK + level_BL.T @ reached_BK)
 
 
 @struct.dataclass(kw_only=True)
@@ -211,6 +217,19 @@ class Program:
                      rule_state=state.rule_state, widths_W=state.adapt.widths_W if self.adapts else ())
         # replicated outputs: every process of a multi-process run reads them
         return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.layout.replicated)
+
+    @functools.partial(jax.jit, static_argnames=("self",))
+    def start(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state, costs=(), draft_prompt=()) -> LoopState:
+        """The loop state after prefill, as `run` starts its rounds from it (`run`'s arguments)."""
+        del costs  # `run`'s arguments, as the Engine prepares them
+        return self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state, draft_prompt)
+
+    @functools.partial(jax.jit, static_argnames=("self", "n"), donate_argnames=("state",))
+    def rounds(self, params: Params, costs, state: LoopState, n: int) -> LoopState:
+        """n adaptive rounds from `state`, as the while_loop runs them (the body in a loop, the cache
+        updated in place): what `specjax.costs` times per width, forced through `costs`."""
+        body = functools.partial(self.adaptive_round, params, costs)
+        return jax.lax.fori_loop(0, n, lambda _, st: body(st), state)
 
     def forward(self, params, tokens_BT, cache, select_BJ=None, write=True):
         """The target on `tokens_BT` at each row's offset: (logits, its last layer's features where the
@@ -313,7 +332,6 @@ class Program:
                         draft_state=draft_state), k_draft, self.temperature, self.backend)
                     pad = ((0, 0), (0, K - d.shape[1]))
                     probs = None if probs is None else jnp.pad(probs, pad + ((0, 0),))
-                    nd = jnp.zeros_like(nd) if w == 1 else jnp.minimum(nd, w - 1)
                     return jnp.pad(d, pad), nd, probs, draft_state, level
                 return run
 
@@ -324,7 +342,7 @@ class Program:
         expected_BW = expected_tokens(p_LK[level_B], num_draft_B, widths)
         choice = choose_width(expected_BW, live_B, verify_W, jnp.arange(len(widths)) <= cap)
         width = w_W[choice]
-        num_draft_B = jnp.minimum(num_draft_B, width - 1)
+        proposed_B, num_draft_B = num_draft_B, jnp.minimum(num_draft_B, width - 1)
         fed_BR = jnp.concatenate([pending(state)[:, None], drafts_BK], axis=1)
 
         # XLA copies the cache into a branch that writes it unless that branch is the only writer:
@@ -350,7 +368,7 @@ class Program:
             width == 1, plain, speculate, state.cache, state.rule_state)
         cache = self._shard("cache", llama.write_kv(cache, kv, jnp.where(width == 1, 0, width)))
         draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)
-        adapt = learn(state.adapt, level_B, num_draft_B, n_B, live_B)
+        adapt = learn(state.adapt, level_B, num_draft_B, n_B, live_B, proposed_B)
         adapt = adapt.replace(widths_W=adapt.widths_W.at[width].add(1))
         state = state.replace(cache=cache, key=key, draft_state=draft_state, rule_state=rule_state, adapt=adapt)
         return self._commit_round(state, live_B, drafts_BK, num_draft_B, n_B, next_B, counts)

@@ -89,9 +89,15 @@ def test_acceptance_is_learned_and_forgotten():
     p = np.asarray(loop.acceptance(adapt))
     assert (p[0] > 0.95).all() and p[1, 0] < 0.1
     assert (p[1, 1:] == loop.PRIOR_ACCEPT).all()  # never reached behind a rejection: still the prior
-    for _ in range(60):  # nothing verified (width 1): the estimates drift back to the optimistic prior
+    kept = adapt
+    for _ in range(60):  # nothing proposed: nothing learned, nothing forgotten
         adapt = loop.learn(adapt, level_B, jnp.array([0, 0]), jnp.array([0, 0]), live_B)
-    assert np.asarray(loop.acceptance(adapt))[1, 0] > 0.5 * loop.PRIOR_ACCEPT
+    np.testing.assert_array_equal(loop.acceptance(adapt), loop.acceptance(kept))
+    for _ in range(60):  # proposed, not verified (width 1): the estimates drift back to the optimistic prior
+        adapt = loop.learn(adapt, level_B, jnp.array([0, 0]), jnp.array([0, 0]), live_B, jnp.array([0, 3]))
+    p = np.asarray(loop.acceptance(adapt))
+    assert p[1, 0] > 0.5 * loop.PRIOR_ACCEPT
+    np.testing.assert_array_equal(p[0], np.asarray(loop.acceptance(kept))[0])  # level 0 proposed nothing
 
 
 def test_expected_tokens_and_choice():
@@ -151,15 +157,15 @@ def test_measured_table_is_kept(target, tmp_path, monkeypatch):
     assert len(table.verify_s) == 5 and table.draft_step_s == 0.0
     assert all(b >= a for a, b in zip(table.verify_s, table.verify_s[1:]))
     files = sorted((tmp_path / "costs").glob("*.json"))
-    assert len(files) == 2  # widths 1 and 5
+    assert len(files) == 1  # the rounds at widths 1, 2, 3, 5 (prompt lookup: no draft step)
     # another process (an empty memory) reads the figures back instead of measuring
     monkeypatch.setattr(costs, "_MEMORY", {})
-    monkeypatch.setattr(costs, "_verify_seconds", lambda *a: pytest.fail("measured again"))
+    monkeypatch.setattr(costs, "_round_seconds", lambda *a: pytest.fail("measured again"))
     assert specjax.Engine(target, draft="pld", k=4, max_new_tokens=4).cost_table(2) == table
     # a damaged figure is measured again, with a warning
     files[0].write_text(files[0].read_text().replace("seconds", "secs"))
     monkeypatch.setattr(costs, "_MEMORY", {})
-    monkeypatch.setattr(costs, "_verify_seconds", lambda *a: 1.0)
+    monkeypatch.setattr(costs, "_round_seconds", lambda *a: (1.0, 2.0, 3.0, 4.0))
     with pytest.warns(UserWarning, match="damaged cost measurement"):
         specjax.Engine(target, draft="pld", k=4, max_new_tokens=4).cost_table(2)
 
