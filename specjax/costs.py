@@ -150,8 +150,8 @@ def cpu_model() -> str:
 
 def cache_key(engine, batch: int, what: str) -> str:
     """Everything a measurement depends on, hashed: `what` is "rounds" (the engine's adaptive round at
-    each compiled width: drafter, rule, K and sampling included) or "draft" (one step of the draft
-    model)."""
+    each compiled width: drafter, the rule's kind, K and sampling included) or "draft" (one step of
+    the draft model)."""
     import jax
 
     model = getattr(engine.drafter, "model", engine.drafter)
@@ -164,8 +164,10 @@ def cache_key(engine, batch: int, what: str) -> str:
     if what == "draft":
         parts.update(draft=repr(model.config), draft_dtype=str(model.dtype))
     else:
-        parts.update(target=repr(engine.target.config), drafter=repr(engine.drafter), rule=repr(engine.rule),
-                     k=engine.k, sampling=[engine.temperature, engine.top_p])
+        # the rule's kind, not its options: they hardly change what a round costs, and engines that
+        # differ only in them (a name and its rule object) then weigh widths alike
+        parts.update(target=repr(engine.target.config), drafter=repr(engine.drafter),
+                     rule=type(engine.rule).__name__, k=engine.k, sampling=[engine.temperature, engine.top_p])
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -54,7 +54,8 @@ def test_batch_one_is_exact_and_multilevel_too(smollm2, prompts, baseline):
     for engine in engines:
         for prompt, ref in zip(prompts[:2], baseline[:2]):
             assert_same_or_near_tie(smollm2, prompt, engine.generate([prompt]).tokens[0], ref)
-    # the model as its own draft agrees with itself: every draft is accepted
-    own = specjax.Engine(smollm2, draft=smollm2, k=4, max_new_tokens=NEW).generate(prompts[:1])
+    # the model as its own draft agrees with itself: every draft is accepted (fixed K: the adaptive
+    # loop rightly finds that a draft as costly as the target never pays, and verifies little)
+    own = specjax.Engine(smollm2, draft=smollm2, k=4, max_new_tokens=NEW, adaptive=False).generate(prompts[:1])
     assert_same_or_near_tie(smollm2, prompts[0], own.tokens[0], baseline[0])
     assert own.stats["tau"] > 4.0

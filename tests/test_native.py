@@ -674,6 +674,48 @@ def test_native_attention_depends_on_a_query_position_only():
     np.testing.assert_array_equal(np.asarray(native.attention(q, jnp.asarray(longer[0]), jnp.asarray(longer[1]), 1, pos)), full)
 
 
+@pytest.mark.parametrize("B, T, H, G, S, Dh", [(1, 1, 9, 3, 64, 64), (3, 5, 4, 4, 40, 16), (2, 9, 14, 2, 33, 64),
+                                               (1, 3, 2, 1, 17, 12)])
+def test_deferred_native_attention_is_the_in_place_write_bit_for_bit(B, T, H, G, S, Dh):
+    """New keys given apart (a verify inside a branch, the cache only read) give exactly the output
+    of writing them into the cache first, also where a row's positions run past the cache (those
+    writes are dropped), at position 0, and with -inf-like and tied scores."""
+    rng = np.random.default_rng(B * 10 + T + S)
+    L = 2
+    q = rng.standard_normal((B, T, H, Dh)).astype(np.float32) * 3
+    k = rng.standard_normal((L, B, S, G, Dh)).astype(np.float32)
+    v = rng.standard_normal((L, B, S, G, Dh)).astype(np.float32)
+    nk = rng.standard_normal((B, T, G, Dh)).astype(np.float32)
+    nv = rng.standard_normal((B, T, G, Dh)).astype(np.float32)
+    nk[0, 0] = 0.0  # ties: one new key scores 0 against every query
+    k[1, 0, :2] = -1e30  # scores far below the rest: their weights underflow to 0
+    first = rng.integers(0, S, B)
+    first[0] = 0
+    first[-1] = S - T // 2 - 1  # its last writes fall past the cache
+    positions = (first[:, None] + np.arange(T)[None]).astype(np.int32)
+    written_k, written_v = k.copy(), v.copy()
+    for b in range(B):
+        for t in range(T):
+            if positions[b, t] < S:
+                written_k[1, b, positions[b, t]], written_v[1, b, positions[b, t]] = nk[b, t], nv[b, t]
+    f = jax.jit(native.attention)
+    want = np.asarray(f(*map(jnp.asarray, (q, written_k, written_v)), jnp.int32(1), jnp.asarray(positions)))
+    got = np.asarray(f(*map(jnp.asarray, (q, k, v)), jnp.int32(1), jnp.asarray(positions),
+                       (jnp.asarray(nk), jnp.asarray(nv))))
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(got).all()
+
+
+def test_deferred_native_attention_refuses_scattered_positions():
+    q = jnp.zeros((1, 2, 2, 8), jnp.float32)
+    k = jnp.zeros((1, 1, 8, 1, 8), jnp.float32)
+    new = (jnp.zeros((1, 2, 1, 8), jnp.float32),) * 2
+    with pytest.raises(Exception, match="consecutive"):
+        jax.block_until_ready(native.attention(q, k, k, 0, jnp.asarray([[3, 5]], jnp.int32), new))
+    with pytest.raises(ValueError, match=r"new keys and values must be float32\[1, 2, 1, 8\]"):
+        native.attention(q, k, k, 0, jnp.asarray([[3, 4]], jnp.int32), (jnp.zeros((1, 2, 2, 8), jnp.float32),) * 2)
+
+
 def test_native_attention_refuses_what_it_cannot_take():
     q = jnp.zeros((1, 1, 3, 8), jnp.float32)
     with pytest.raises(ValueError, match="H a multiple of G"):

@@ -182,9 +182,9 @@ class Block(nn.Module):
     backend: Backend | None = None
 
     @nn.compact
-    def __call__(self, carry, layer, positions_BT, write_pos_BT, layer_kv=None):
+    def __call__(self, carry, layer, positions_BT, write_pos_BT, stack_kv=None):
         """carry: (x, the cache's keys and values [N, B, S, G, Dh] or None), the cache written at
-        `write_pos_BT` in place; or, with `layer_kv` (this layer's keys and values [B, S, G, Dh],
+        `write_pos_BT` in place; or, with `stack_kv` (the cache's keys and values [N, B, S, G, Dh],
         read only: a deferred write), carry's cache is None and the layer's new keys and values
         are its second output (else None)."""
         c = self.config
@@ -215,12 +215,15 @@ class Block(nn.Module):
 
         rows_B1 = jnp.arange(B)[:, None]
         new_kv = None
-        if layer_kv is not None:  # deferred: the same keys as an in-place write, in this layer's copy only
-            layer_k, layer_v = layer_kv
-            new_kv = (k_BTGDh.astype(layer_k.dtype), v_BTGDh.astype(layer_v.dtype))
-            keys_BSGDh = layer_k.at[rows_B1, write_pos_BT].set(new_kv[0], mode="drop")
-            values_BSGDh = layer_v.at[rows_B1, write_pos_BT].set(new_kv[1], mode="drop")
-            stack_k, stack_v, at_layer = keys_BSGDh[None], values_BSGDh[None], 0
+        deferred = None
+        if stack_kv is not None:  # deferred: the same keys as an in-place write, the cache only read
+            new_kv = (k_BTGDh.astype(stack_kv[0].dtype), v_BTGDh.astype(stack_kv[1].dtype))
+            if backend.native_attention and backend.kernels.attention_supported(q_BTHDh, stack_kv[0]):
+                stack_k, stack_v, at_layer, deferred = stack_kv[0], stack_kv[1], layer, new_kv  # no copy at all
+            else:  # XLA: the new keys in this layer's copy
+                keys_BSGDh = stack_kv[0][layer].at[rows_B1, write_pos_BT].set(new_kv[0], mode="drop")
+                values_BSGDh = stack_kv[1][layer].at[rows_B1, write_pos_BT].set(new_kv[1], mode="drop")
+                stack_k = None
         elif cache_k is None:  # full forward: attend over this call's tokens only
             keys_BSGDh, values_BSGDh = k_BTGDh, v_BTGDh
             stack_k = None
@@ -229,12 +232,11 @@ class Block(nn.Module):
             cache_v = cache_v.at[layer, rows_B1, write_pos_BT].set(v_BTGDh.astype(cache_v.dtype), mode="drop")
             keys_BSGDh, values_BSGDh = cache_k[layer], cache_v[layer]
             stack_k, stack_v, at_layer = cache_k, cache_v, layer
-        S = keys_BSGDh.shape[1]
-
         if stack_k is not None and backend.native_attention and backend.kernels.attention_supported(q_BTHDh, stack_k):
             # each query over its visible keys only, the stack read in place (no copy of the layer)
-            attn_BTHDh = backend.kernels.attention(q_BTHDh, stack_k, stack_v, at_layer, positions_BT)
+            attn_BTHDh = backend.kernels.attention(q_BTHDh, stack_k, stack_v, at_layer, positions_BT, deferred)
         else:
+            S = keys_BSGDh.shape[1]
             q_BTGQDh = q_BTHDh.reshape(B, T, G, H // G, Dh)
             scores = jnp.einsum("btgqk,bsgk->bgqts", q_BTGQDh, keys_BSGDh.astype(self.dtype),
                                 preferred_element_type=jnp.float32) * (Dh ** -0.5)
@@ -290,28 +292,27 @@ class Transformer(nn.Module):
         if not isinstance(embed_DV, quant.BlockQuant):
             embed_DV = embed_DV.astype(self.dtype)
         cache_k, cache_v = cache_kv if cache_kv is not None else (None, None)
-        # a deferred write reads each layer's slice of the cache (a scanned input, never carried:
-        # a carried cache that a branch does not own would be copied into the loop)
+        # a deferred write reads the cache as a loop-invariant input, never carried (a carried cache
+        # that a branch does not own would be copied into the loop), each layer where it lies
         stack_kv, new_kv = (None, None) if write else ((cache_k, cache_v), None)
         if stack_kv is not None:
             cache_k = cache_v = None
         if self.unrolled:
             carry, per_layer = (x_BTD, cache_k, cache_v), []
             for i in range(c.num_layers):
-                layer_kv = None if stack_kv is None else (stack_kv[0][i], stack_kv[1][i])
                 carry, kv = Block(c, self.dtype, backend=self.backend, name=f"layer_{i}")(
-                    carry, i, positions_BT, write_pos_BT, layer_kv)
+                    carry, i, positions_BT, write_pos_BT, stack_kv)
                 per_layer.append(kv)
             x_BTD, cache_k, cache_v = carry
             if stack_kv is not None:
                 new_kv = NewKV(jnp.stack([kv[0] for kv in per_layer]), jnp.stack([kv[1] for kv in per_layer]))
         elif self._packed_stack():  # the stack read in place by the native kernel (Block.stacked)
             layers = nn.scan(Block, variable_broadcast="params", split_rngs={"params": False},
-                             in_axes=(0, nn.broadcast, nn.broadcast, 0), length=c.num_layers)(
+                             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)(
                 c, self.dtype, stacked=True, backend=self.backend, name="layers")
         else:
             layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                             in_axes=(0, nn.broadcast, nn.broadcast, 0), length=c.num_layers)(
+                             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)(
                 c, self.dtype, backend=self.backend, name="layers")
         if not self.unrolled:
             (x_BTD, cache_k, cache_v), kv = layers((x_BTD, cache_k, cache_v), jnp.arange(c.num_layers),

@@ -139,6 +139,8 @@ def _load() -> bool:
         jax.ffi.register_ffi_target("specjax_tiledot", jax.ffi.pycapsule(lib.SpecjaxTileDot), platform="cpu")
         jax.ffi.register_ffi_target("specjax_q8dot", jax.ffi.pycapsule(lib.SpecjaxQ8Dot), platform="cpu")
         jax.ffi.register_ffi_target("specjax_attention", jax.ffi.pycapsule(lib.SpecjaxAttention), platform="cpu")
+        jax.ffi.register_ffi_target("specjax_attention_deferred", jax.ffi.pycapsule(lib.SpecjaxAttentionDeferred),
+                                    platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"specjax's native CPU matmul is unavailable, using XLA's dot instead: {e}", stacklevel=2)
         return False
@@ -257,17 +259,28 @@ def attention_supported(q_BTHDh, cache_k) -> bool:
             and q_BTHDh.shape[2] % cache_k.shape[3] == 0 and q_BTHDh.shape[3] == cache_k.shape[4])
 
 
-def attention(q_BTHDh, cache_k_NBSGDh, cache_v_NBSGDh, layer, positions_BT):
+def attention(q_BTHDh, cache_k_NBSGDh, cache_v_NBSGDh, layer, positions_BT, new_kv=None):
     """float32[B, T, H, Dh]: each query's attention over the keys of layer `layer` of the cache
     at positions j <= its own position (`attention.cc`), the stack read where it lies. The same
     values as llama.Block's masked softmax up to float32 rounding (a polynomial exponential), and
-    a query's output does not depend on T, on the cache length or on the other rows."""
+    a query's output does not depend on T, on the cache length or on the other rows.
+
+    new_kv: None, or the T fed tokens' (keys, values) float32[B, T, G, Dh], not in the cache (a
+    deferred write): a row's positions must then be consecutive, and the keys from its first
+    position on are read from these. Bit for bit the output of writing them into the cache first."""
     if not available():
         raise RuntimeError("the native kernel is not available (see specjax.native)")
     if not attention_supported(q_BTHDh, cache_k_NBSGDh) or cache_v_NBSGDh.shape != cache_k_NBSGDh.shape:
         raise ValueError(f"native.attention takes float32 q [B, T, H, Dh] and caches [L, B, S, G, Dh] with H a "
                          f"multiple of G; got q {q_BTHDh.dtype} {q_BTHDh.shape}, k {cache_k_NBSGDh.dtype} "
                          f"{cache_k_NBSGDh.shape}, v {cache_v_NBSGDh.shape}")
-    return jax.ffi.ffi_call("specjax_attention", jax.ShapeDtypeStruct(q_BTHDh.shape, jnp.float32),
-                            vmap_method="sequential")(
-        q_BTHDh, cache_k_NBSGDh, cache_v_NBSGDh, jnp.asarray(layer, jnp.int32), positions_BT.astype(jnp.int32))
+    args = (q_BTHDh, cache_k_NBSGDh, cache_v_NBSGDh, jnp.asarray(layer, jnp.int32), positions_BT.astype(jnp.int32))
+    out = jax.ShapeDtypeStruct(q_BTHDh.shape, jnp.float32)
+    if new_kv is None:
+        return jax.ffi.ffi_call("specjax_attention", out, vmap_method="sequential")(*args)
+    B, T, _, Dh = q_BTHDh.shape
+    want = (B, T, cache_k_NBSGDh.shape[3], Dh)
+    if any(a.shape != want or a.dtype != jnp.float32 for a in new_kv):
+        raise ValueError(f"native.attention: new keys and values must be float32{list(want)}, got "
+                         f"{[(str(a.dtype), a.shape) for a in new_kv]}")
+    return jax.ffi.ffi_call("specjax_attention_deferred", out, vmap_method="sequential")(*args, *new_kv)

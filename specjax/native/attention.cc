@@ -6,6 +6,11 @@
 // can see (j <= its position), in place in the stack of layers. Each (row, position, KV head)
 // is one task: its H / G query heads share every key and value read.
 //
+// The deferred variant (SpecjaxAttentionDeferred) takes the T new keys and values apart, as a
+// verify inside a branch computes them without writing the cache: positions before a row's first
+// new one are read from the stack, the new ones from those arrays, in the same key order, so its
+// output is bit for bit that of writing them into the cache first (and no copy of a layer).
+//
 // Numerics: float32; for a query, one pass of scores in key order, the max, exponentials (a
 // polynomial with about 2 ulp of error, not libm's), their sum in key order, and the weighted
 // sum of values in key order. So a query's output depends on its position and the cache only:
@@ -67,14 +72,22 @@ struct Shape {
   int64_t B, T, H, G, S, Dh;
 };
 
-// One task: row b, position t, KV head g, its Q = H / G query heads.
-void Task(const float* q, const float* k, const float* v, const int32_t* pos, float* out, const Shape& s,
-          int64_t b, int64_t t, int64_t g, std::vector<float>& scores) {
+// Where the keys and values of one (row, KV head) lie: positions [0, n_old) in the stack, the
+// rest (from position first on, one per new token) in the new arrays.
+struct Keys {
+  const float *k, *v;  // position 0 of the stack
+  int64_t stride;      // between consecutive positions in the stack
+  const float *nk, *nv;  // the first new position's (nullptr: none apart)
+  int64_t nstride;     // between consecutive new positions
+  int64_t first;       // the first new token's position (n_old = min(first, n))
+  inline const float* K(int64_t j) const { return j < first ? k + j * stride : nk + (j - first) * nstride; }
+  inline const float* V(int64_t j) const { return j < first ? v + j * stride : nv + (j - first) * nstride; }
+};
+
+// One task: row b, position t, KV head g, its Q = H / G query heads, over the n visible keys.
+void Task(const float* q, const Keys& kv, int64_t n, float* out, const Shape& s, int64_t b, int64_t t, int64_t g,
+          std::vector<float>& scores) {
   const int64_t Q = s.H / s.G, Dh = s.Dh;
-  const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(pos[b * s.T + t]) + 1, 0, s.S);
-  const int64_t kv_stride = s.G * Dh;  // between consecutive positions
-  const float* kb = k + (b * s.S * s.G + g) * Dh;
-  const float* vb = v + (b * s.S * s.G + g) * Dh;
   const float scale = 1.0f / std::sqrt(static_cast<float>(Dh));
   scores.resize(static_cast<size_t>(Q * std::max<int64_t>(n, 1)));
   for (int64_t qh = 0; qh < Q; ++qh) {
@@ -88,7 +101,7 @@ void Task(const float* q, const float* k, const float* v, const int32_t* pos, fl
     }
     float m = -INFINITY;
     for (int64_t j = 0; j < n; ++j) {
-      const float* kj = kb + j * kv_stride;
+      const float* kj = kv.K(j);
       float d = 0.0f;
 #if defined(__AVX512F__)
       if (Dh % 16 == 0) {
@@ -121,7 +134,7 @@ void Task(const float* q, const float* k, const float* v, const int32_t* pos, fl
       for (int64_t i = 0; i < nv; ++i) acc[i] = _mm512_setzero_ps();
       for (j = 0; j < n; ++j) {
         const __m512 p = _mm512_set1_ps(sc[j]);
-        const float* vj = vb + j * kv_stride;
+        const float* vj = kv.V(j);
         for (int64_t i = 0; i < nv; ++i) acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * i), acc[i]);
       }
       for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(acc[i], _mm512_set1_ps(inv)));
@@ -130,35 +143,83 @@ void Task(const float* q, const float* k, const float* v, const int32_t* pos, fl
 #endif
     for (int64_t i = 0; i < Dh; ++i) o[i] = 0.0f;
     for (j = 0; j < n; ++j) {
-      const float* vj = vb + j * kv_stride;
+      const float* vj = kv.V(j);
       for (int64_t i = 0; i < Dh; ++i) o[i] = std::fma(sc[j], vj[i], o[i]);
     }
     for (int64_t i = 0; i < Dh; ++i) o[i] *= inv;
   }
 }
 
-// q [B, T, H, Dh]; cache k / v [L, B, S, G, Dh]; layer s32[]; positions s32[B, T]; out [B, T, H, Dh].
-ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
+// The checks both handlers share; the shape on success.
+ffi::Error Check(ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v,
+                 ffi::Buffer<ffi::S32>& layer, ffi::Buffer<ffi::S32>& positions, Shape& s) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), pd = positions.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || pd.size() != 2 || layer.element_count() != 1)
     return ffi::Error::InvalidArgument("attention: expected q [B, T, H, Dh], k/v [L, B, S, G, Dh], a layer, positions [B, T]");
   for (size_t i = 0; i < 5; ++i)
     if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("attention: keys and values differ in shape");
-  const Shape s{qd[0], qd[1], qd[2], kd[3], kd[2], qd[3]};
+  s = Shape{qd[0], qd[1], qd[2], kd[3], kd[2], qd[3]};
   if (kd[1] != s.B || kd[4] != s.Dh || pd[0] != s.B || pd[1] != s.T || s.G <= 0 || s.H % s.G != 0)
     return ffi::Error::InvalidArgument("attention: q, cache and positions disagree (or H is not a multiple of G)");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= kd[0]) return ffi::Error::InvalidArgument("attention: layer index out of range");
-  const int64_t per_layer = s.B * s.S * s.G * s.Dh;
+  return ffi::Error::Success();
+}
+
+// Keys a query at position p sees: positions j <= p that the cache holds (j < S).
+inline int64_t Visible(const int32_t* pos, const Shape& s, int64_t b, int64_t t) {
+  return std::clamp<int64_t>(static_cast<int64_t>(pos[b * s.T + t]) + 1, 0, s.S);
+}
+
+// q [B, T, H, Dh]; cache k / v [L, B, S, G, Dh]; layer s32[]; positions s32[B, T]; out [B, T, H, Dh].
+ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
+  Shape s;
+  if (auto e = Check(q, k, v, layer, positions, s); e.failure()) return e;
+  const int64_t per_layer = s.B * s.S * s.G * s.Dh, l = layer.typed_data()[0];
   const float *qp = q.typed_data(), *kp = k.typed_data() + l * per_layer, *vp = v.typed_data() + l * per_layer;
   const int32_t* pp = positions.typed_data();
   float* op = out->typed_data();
   specjax_native::ParallelFor(pool, s.B * s.T * s.G, 1, [=](int64_t i0, int64_t i1) {
     thread_local std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i % s.G, bt = i / s.G;
-      Task(qp, kp, vp, pp, op, s, bt / s.T, bt % s.T, g, scores);
+      const int64_t g = i % s.G, bt = i / s.G, b = bt / s.T, t = bt % s.T;
+      const int64_t base = (b * s.S * s.G + g) * s.Dh;
+      const Keys kv{kp + base, vp + base, s.G * s.Dh, nullptr, nullptr, 0, s.S};
+      Task(qp, kv, Visible(pp, s, b, t), op, s, b, t, g, scores);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// As AttnImpl, with the T new tokens' keys and values nk / nv [B, T, G, Dh] apart: a row's
+// positions must be consecutive (p, p + 1, ...), as a verify's are; the stack is read before p.
+ffi::Error AttnDeferredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions,
+                            ffi::Buffer<ffi::F32> nk, ffi::Buffer<ffi::F32> nv, ffi::ResultBuffer<ffi::F32> out) {
+  Shape s;
+  if (auto e = Check(q, k, v, layer, positions, s); e.failure()) return e;
+  const auto nd = nk.dimensions(), vd = nv.dimensions();
+  if (nd.size() != 4 || vd.size() != 4 || nd[0] != s.B || nd[1] != s.T || nd[2] != s.G || nd[3] != s.Dh)
+    return ffi::Error::InvalidArgument("attention: the new keys must be [B, T, G, Dh] as q and the cache give");
+  for (size_t i = 0; i < 4; ++i)
+    if (nd[i] != vd[i]) return ffi::Error::InvalidArgument("attention: new keys and values differ in shape");
+  const int32_t* pp = positions.typed_data();
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t t = 1; t < s.T; ++t)
+      if (pp[b * s.T + t] != pp[b * s.T] + t)
+        return ffi::Error::InvalidArgument("attention: deferred new positions must be consecutive in each row");
+  const int64_t per_layer = s.B * s.S * s.G * s.Dh, l = layer.typed_data()[0];
+  const float *qp = q.typed_data(), *kp = k.typed_data() + l * per_layer, *vp = v.typed_data() + l * per_layer;
+  const float *nkp = nk.typed_data(), *nvp = nv.typed_data();
+  float* op = out->typed_data();
+  specjax_native::ParallelFor(pool, s.B * s.T * s.G, 1, [=](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i % s.G, bt = i / s.G, b = bt / s.T, t = bt % s.T;
+      const int64_t base = (b * s.S * s.G + g) * s.Dh, nbase = (b * s.T * s.G + g) * s.Dh;
+      const Keys kv{kp + base, vp + base, s.G * s.Dh, nkp + nbase, nvp + nbase, s.G * s.Dh, pp[b * s.T]};
+      Task(qp, kv, Visible(pp, s, b, t), op, s, b, t, g, scores);
     }
   });
   return ffi::Error::Success();
@@ -174,4 +235,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttention, AttnImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttentionDeferred, AttnDeferredImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
