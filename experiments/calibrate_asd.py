@@ -122,8 +122,9 @@ def main(argv):
 
 
 def crosscheck(target, ids, seqs, rounds_per_request) -> dict:
+    # fixed K: the reconstruction's rounds verify every draft, as the published procedure does
     engine = C.make_engine(target, C.resolve_draft(FLAGS.draft, FLAGS.model), "greedy", _K.value,
-                           FLAGS.max_new_tokens)
+                           FLAGS.max_new_tokens, adaptive=False)
     out = C.run(engine, ids, 1, label="crosscheck: ", progress=True)
     same_tokens = sum(list(p) + t == s for p, t, s in zip(ids, out.tokens, seqs))
     pairs = [(a, b) for a, b in zip(rounds_per_request, out.stats["rounds_per_request"]) if a is not None]

@@ -249,15 +249,17 @@ def _round_seconds(engine, batch: int, widths) -> tuple[float, ...]:
     import jax
     import numpy as np
 
+    import copy
+
     reps = 5
     room = (reps + 1) * _ROUNDS * (engine.k + 1)  # tokens a width's calls can emit at most
-    n = _PROMPT if engine.max_len is None else min(_PROMPT, engine.max_len - engine.max_new_tokens - engine.k - 1)
     V = engine.target.config.vocab_size
-    prompt = [(7919 * i + 13) % V for i in range(max(n, 1))]
-    program, args = engine._prepare([prompt] * batch, measure=False)
-    max_len = -(-(len(prompt) + room + engine.k + 1) // 128) * 128
-    # no row may finish while timed: no end-of-sequence ids, room for every call's tokens
-    program = dataclasses.replace(program, max_new_tokens=room, max_len=max_len, eos_ids=())
+    prompt = [(7919 * i + 13) % V for i in range(_PROMPT)]
+    # the same engine with room for every call's tokens and no end-of-sequence ids (no row may
+    # finish while timed): its own _prepare makes every input agree with the longer cache
+    timed = copy.copy(engine)
+    timed.max_new_tokens, timed.max_len, timed.eos_ids = room, None, ()
+    program, args = timed._prepare([prompt] * batch, measure=False)
     out = []
     for i in range(len(widths)):
         verify_W = np.full((len(widths),), 1e30, np.float32)
