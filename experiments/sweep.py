@@ -167,7 +167,7 @@ def main(argv):
             break
         name = label(method, k, options)
         options = C.apply_calibration(method, options, target.config.vocab_size, k)
-        engine = C.make_engine(target, draft, method, k, _MAX_NEW.value, **extra, **options)
+        engine = C.make_engine(target, draft, method, k, _MAX_NEW.value, adaptive=False, **extra, **options)  # a sweep of fixed K
         result = C.run(engine, ids, _BATCH.value, label=f"[{i + 1}/{len(grid)}] {name}: ")
         after = C.run(baseline_engine, ids, _BATCH.value, label="baseline: ", warm=False)
         if after.tokens != reference:
