@@ -20,8 +20,8 @@ on a CPU a round of a small model costs well more than its bare forward), the fa
 calls after a warm-up; and, for a draft model whose steps the loop chooses, one draft step,
 which is then counted apart (the loop adds w - 1 draft steps to a width's verify cost before
 drafting, and weighs only the verify once the drafts are made). Widths that are not compiled
-are interpolated linearly. The figures are kept per engine configuration (drafter, rule, K,
-sampling), in this process and on disk.
+are interpolated linearly. The figures are kept per engine configuration (drafter, the rule's
+kind, K, sampling), in this process and on disk.
 """
 
 from __future__ import annotations
@@ -244,12 +244,10 @@ def _round_seconds(engine, batch: int, widths) -> tuple[float, ...]:
     the state after a prompt of up to `_PROMPT` ids; the fastest of 5 calls after a warm-up, per
     width. One program serves every width (the costs are its input); within a width the state goes
     on from call to call, its cache donated, as the while_loop updates it in place."""
-    import dataclasses
+    import copy
 
     import jax
     import numpy as np
-
-    import copy
 
     reps = 5
     room = (reps + 1) * _ROUNDS * (engine.k + 1)  # tokens a width's calls can emit at most

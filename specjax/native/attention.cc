@@ -171,24 +171,32 @@ inline int64_t Visible(const int32_t* pos, const Shape& s, int64_t b, int64_t t)
   return std::clamp<int64_t>(static_cast<int64_t>(pos[b * s.T + t]) + 1, 0, s.S);
 }
 
+// Every (row, position, KV head) task of one call; nk / nv: the new keys and values [B, T, G, Dh]
+// from each row's first position on, or nullptr (all in the stack).
+void Run(ffi::ThreadPool& pool, const Shape& s, int64_t l, const float* qp, const float* k, const float* v,
+         const int32_t* pp, const float* nkp, const float* nvp, float* op) {
+  const int64_t per_layer = s.B * s.S * s.G * s.Dh;
+  const float *kp = k + l * per_layer, *vp = v + l * per_layer;
+  specjax_native::ParallelFor(pool, s.B * s.T * s.G, 1, [=](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t g = i % s.G, bt = i / s.G, b = bt / s.T, t = bt % s.T;
+      const int64_t base = (b * s.S * s.G + g) * s.Dh, nbase = (b * s.T * s.G + g) * s.Dh;
+      const Keys kv = nkp == nullptr
+          ? Keys{kp + base, vp + base, s.G * s.Dh, nullptr, nullptr, 0, s.S}
+          : Keys{kp + base, vp + base, s.G * s.Dh, nkp + nbase, nvp + nbase, s.G * s.Dh, pp[b * s.T]};
+      Task(qp, kv, Visible(pp, s, b, t), op, s, b, t, g, scores);
+    }
+  });
+}
+
 // q [B, T, H, Dh]; cache k / v [L, B, S, G, Dh]; layer s32[]; positions s32[B, T]; out [B, T, H, Dh].
 ffi::Error AttnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                     ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
   Shape s;
   if (auto e = Check(q, k, v, layer, positions, s); e.failure()) return e;
-  const int64_t per_layer = s.B * s.S * s.G * s.Dh, l = layer.typed_data()[0];
-  const float *qp = q.typed_data(), *kp = k.typed_data() + l * per_layer, *vp = v.typed_data() + l * per_layer;
-  const int32_t* pp = positions.typed_data();
-  float* op = out->typed_data();
-  specjax_native::ParallelFor(pool, s.B * s.T * s.G, 1, [=](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i % s.G, bt = i / s.G, b = bt / s.T, t = bt % s.T;
-      const int64_t base = (b * s.S * s.G + g) * s.Dh;
-      const Keys kv{kp + base, vp + base, s.G * s.Dh, nullptr, nullptr, 0, s.S};
-      Task(qp, kv, Visible(pp, s, b, t), op, s, b, t, g, scores);
-    }
-  });
+  Run(pool, s, layer.typed_data()[0], q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(),
+      nullptr, nullptr, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -209,19 +217,8 @@ ffi::Error AttnDeferredImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     for (int64_t t = 1; t < s.T; ++t)
       if (pp[b * s.T + t] != pp[b * s.T] + t)
         return ffi::Error::InvalidArgument("attention: deferred new positions must be consecutive in each row");
-  const int64_t per_layer = s.B * s.S * s.G * s.Dh, l = layer.typed_data()[0];
-  const float *qp = q.typed_data(), *kp = k.typed_data() + l * per_layer, *vp = v.typed_data() + l * per_layer;
-  const float *nkp = nk.typed_data(), *nvp = nv.typed_data();
-  float* op = out->typed_data();
-  specjax_native::ParallelFor(pool, s.B * s.T * s.G, 1, [=](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t g = i % s.G, bt = i / s.G, b = bt / s.T, t = bt % s.T;
-      const int64_t base = (b * s.S * s.G + g) * s.Dh, nbase = (b * s.T * s.G + g) * s.Dh;
-      const Keys kv{kp + base, vp + base, s.G * s.Dh, nkp + nbase, nvp + nbase, s.G * s.Dh, pp[b * s.T]};
-      Task(qp, kv, Visible(pp, s, b, t), op, s, b, t, g, scores);
-    }
-  });
+  Run(pool, s, layer.typed_data()[0], q.typed_data(), k.typed_data(), v.typed_data(), pp, nk.typed_data(),
+      nv.typed_data(), out->typed_data());
   return ffi::Error::Success();
 }
 
