@@ -231,6 +231,10 @@ class PromptLookup(_Stateless):
     match="earliest" takes its first occurrence (as FLy's code does), "latest" the most
     recent one. No match proposes nothing (num_draft = 0): the round is then a plain
     decoding step, and the engine scores a single position.
+
+    Levels (for the adaptive loop's acceptance counts): the length of the n-gram matched, level 0
+    the longest (max_ngram). A one-token match (the pending token seen before) is kept far less
+    often than a four-token one, and counted apart the loop learns to verify each as it pays.
     """
 
     k: int
@@ -242,14 +246,24 @@ class PromptLookup(_Stateless):
     def init(self, params, prompt_BT, prompt_len_B, max_len, *, features_BTD=None, backend=None):
         return ()
 
+    @property
+    def levels(self) -> int:
+        return self.max_ngram - self.min_ngram + 1
+
     def lookup(self, seq_BS, lengths_B):
         """(drafts int32[B, K], num_draft int32[B], found bool[B])."""
-        return jax.vmap(self._row)(seq_BS, lengths_B)
+        return jax.vmap(self._row)(seq_BS, lengths_B)[:3]
+
+    def propose_levels(self, params, state, seq_BS, lengths_B, key, temperature, *, backend=None):
+        drafts_BK, num_draft_B, _, n_B = jax.vmap(self._row)(seq_BS, lengths_B)
+        return drafts_BK, num_draft_B, None, state, (self.max_ngram - n_B).astype(jnp.int32)
 
     def _row(self, seq_S, L):
+        """One row's lookup: drafts, num_draft, found, and the length of the n-gram matched (max_ngram
+        where nothing matched, so that level 0 stands for the rows that proposed nothing too)."""
         S = seq_S.shape[0]
         j_S = jnp.arange(S)
-        best_start, best_found = jnp.int32(0), jnp.bool_(False)
+        best_start, best_found, best_n = jnp.int32(0), jnp.bool_(False), jnp.int32(self.max_ngram)
         for n in range(self.min_ngram, self.max_ngram + 1):  # longer n-grams overwrite shorter ones
             hit_S = (j_S + n <= L) & (L - n + 1 >= 0)  # a match ends before the suffix itself
             for t in range(n):
@@ -260,11 +274,12 @@ class PromptLookup(_Stateless):
             else:
                 start = S - 1 - jnp.argmax(hit_S[::-1])
             best_start = jnp.where(found, start + n, best_start)
+            best_n = jnp.where(found, n, best_n)
             best_found |= found
         idx_K = jnp.minimum(best_start + jnp.arange(self.k), S - 1)
         drafts_K = jnp.where(best_found, jnp.take(seq_S, idx_K), jnp.take(seq_S, L))
         num_draft = jnp.where(best_found, jnp.clip(L + 1 - best_start, 1, self.k), 0)
-        return drafts_K.astype(jnp.int32), num_draft.astype(jnp.int32), best_found
+        return drafts_K.astype(jnp.int32), num_draft.astype(jnp.int32), best_found, best_n
 
     def propose(self, params, state, seq_BS, lengths_B, key, temperature, *, backend=None):
         drafts_BK, num_draft_B, _ = self.lookup(seq_BS, lengths_B)

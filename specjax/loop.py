@@ -78,9 +78,10 @@ class LoopState:
 # The adaptive policy's constants. A level's counts decay by DECAY in each round in which it
 # proposed something (verified or not; a round with nothing proposed tells nothing and ages
 # nothing), so an estimate rests on about the last 1 / (1 - DECAY) = 20 such rounds, and a
-# position that is no longer verified drifts back to the optimistic prior (mean PRIOR_ACCEPT,
-# weight PRIOR_WEIGHT rounds): that is the exploration, a narrow policy widens again after some
-# rounds and relearns (no separate probe rounds).
+# position that is no longer verified drifts back to its prior (weight PRIOR_WEIGHT rounds): for
+# position 0 the optimistic PRIOR_ACCEPT, for a later one the estimate of the position before it
+# (`acceptance`). That is the exploration: a narrow policy widens again after some rounds and
+# relearns (no separate probe rounds).
 DECAY = 0.95
 PRIOR_ACCEPT = 0.8
 PRIOR_WEIGHT = 2.0
@@ -102,8 +103,19 @@ class Adapt:
 
 
 def acceptance(adapt: Adapt) -> jax.Array:
-    """Conditional acceptance p[l, j] = P(position j accepted | positions < j accepted): float32[L, K]."""
-    return (adapt.hits_LK + PRIOR_ACCEPT * PRIOR_WEIGHT) / (adapt.trials_LK + PRIOR_WEIGHT)
+    """Conditional acceptance p[l, j] = P(position j accepted | positions < j accepted): float32[L, K].
+
+    Each position's counts are shrunk towards the estimate of the position before it (position 0
+    towards PRIOR_ACCEPT): a position seldom reached inherits what the reached ones show, so a
+    lookup whose first draft is kept one time in three does not look like a five-token run because
+    its deeper positions were never verified."""
+    hits_LK, trials_LK = adapt.hits_LK, adapt.trials_LK
+    prior_L = jnp.full(hits_LK.shape[:1], PRIOR_ACCEPT, jnp.float32)
+    columns = []
+    for j in range(hits_LK.shape[1]):  # K is small and static: a chain of elementwise ops, fused
+        prior_L = (hits_LK[:, j] + PRIOR_WEIGHT * prior_L) / (trials_LK[:, j] + PRIOR_WEIGHT)
+        columns.append(prior_L)
+    return jnp.stack(columns, axis=1)
 
 
 def expected_tokens(p_BK, num_draft_B, widths) -> jax.Array:
@@ -347,8 +359,10 @@ class Program:
 
         # XLA copies the cache into a branch that writes it unless that branch is the only writer:
         # the plain step writes in place (as target-only decoding does, no copy of the native
-        # attention's layer either), the verify only reads the cache and returns the new keys and
-        # values, written after the branches join (none after a plain step)
+        # attention's layer either), a verify only reads the cache and returns the new keys and
+        # values, written after the branches join (none after a plain step). Each verify width is
+        # its own branch, forward and rule at that width: the rule's work on a narrow round is
+        # that of a narrow round, not of K + 1 padded rows.
         def plain(cache, rule_state):  # nothing verified: the target-only step, no rule
             logits_B1V, feats_B1D, cache = self.forward(params, fed_BR[:, :1], cache)
             logits_B1V = self._shard("logits", logits_B1V)
@@ -357,15 +371,20 @@ class Program:
             counts = RoundCounts(zi, zi, jnp.zeros(next_B.shape, jnp.float32))
             return zi, next_B, cache, _no_kv(cache, K + 1), rule_state, counts, _pad_positions(feats_B1D, K + 1)
 
-        def speculate(cache, rule_state):
-            logits_BRV, kv, feats_BRD = self.score(params, fed_BR, cache, width, widths[1:])
-            verdict, rule_state, counts = self.rule(
-                rule_state, drafts_BK, logits_BRV, num_draft_B=num_draft_B, key=k_verify, active_B=live_B,
-                draft_probs_BKV=probs_BKV, temperature=self.temperature, backend=self.backend)
-            return verdict.num_accepted, verdict.next_token, cache, kv, rule_state, counts, feats_BRD
+        def verify_at(w):
+            def run(cache, rule_state):
+                logits_BWV, feats_BWD, kv = self.forward(params, fed_BR[:, :w], cache, write=False)
+                probs = None if probs_BKV is None else probs_BKV[:, :w - 1]
+                verdict, rule_state, counts = self.rule(
+                    rule_state, drafts_BK[:, :w - 1], self._shard("logits", logits_BWV), num_draft_B=num_draft_B,
+                    key=k_verify, active_B=live_B, draft_probs_BKV=probs, temperature=self.temperature,
+                    backend=self.backend)
+                return (verdict.num_accepted, verdict.next_token, cache, _pad_positions(kv, K + 1), rule_state,
+                        counts, _pad_positions(feats_BWD, K + 1))
+            return run
 
-        n_B, next_B, cache, kv, rule_state, counts, feats_BRD = jax.lax.cond(
-            width == 1, plain, speculate, state.cache, state.rule_state)
+        n_B, next_B, cache, kv, rule_state, counts, feats_BRD = jax.lax.switch(
+            choice, [plain] + [verify_at(w) for w in widths[1:]], state.cache, state.rule_state)
         cache = self._shard("cache", llama.write_kv(cache, kv, jnp.where(width == 1, 0, width)))
         draft_state = self.drafter.observe(draft_state, feats_BRD, state.cache.lengths)
         adapt = learn(state.adapt, level_B, num_draft_B, n_B, live_B, proposed_B)
@@ -385,7 +404,7 @@ class Program:
                                          counts=counts)
         return state.replace(counters=counters)
 
-    def score(self, params: Params, fed_BR, cache, width, widths=None):
+    def score(self, params: Params, fed_BR, cache, width):
         """The target's logits on the first `width` fed positions, padded to R = K + 1 rows, their
         keys and values (a `llama.NewKV` padded to R positions, for `llama.write_kv`: the cache is
         only read, as XLA would copy it into each `lax.switch` branch that wrote it) and its
@@ -395,11 +414,10 @@ class Program:
         on a CPU a 9-position forward costs about twice a 1-position one, so the
         forward runs at the smallest compiled width that covers every live row.
         Padding rows lie past each row's num_draft, where no rule reads.
-        widths: the compiled widths to choose from (default `verify_widths`); `width` is one of them
-        or rounded up to the next.
+        `width` is rounded up to the next of `verify_widths`.
         """
         R = fed_BR.shape[1]
-        widths = verify_widths(R - 1) if widths is None else tuple(widths)
+        widths = verify_widths(R - 1)
 
         def at(w):
             def run(fed_BR, cache):

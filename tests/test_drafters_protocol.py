@@ -32,7 +32,7 @@ def test_every_kind_has_the_adaptive_members():
     cut = {type(d).__name__ for d in every_kind() if d.truncated is not None}
     assert cut == {"ModelDrafter", "MultiLevel"}  # the lookup and the feature drafts always draft K
     assert drafters.MultiLevel(drafters.ModelDrafter(TINY, K), drafters.PromptLookup(K)).truncated(2).lookup.k == 2
-    assert {d.levels for d in every_kind()} == {1, 2}
+    assert {d.levels for d in every_kind()} == {1, 2, 4}  # 4: the lookup's n-gram lengths (4 down to 1)
 
     class Missing:  # a drafter without them does not pass as one
         k, name, uses_features = K, "x", False
@@ -47,14 +47,31 @@ def test_every_kind_has_the_adaptive_members():
 
 
 def test_default_propose_levels_is_propose_at_level_zero():
+    class Fixed(drafters.DrafterDefaults):  # a drafter with only `propose`: the defaults do the rest
+        k, name, uses_features = 3, "fixed", False
+
+        def propose(self, params, state, seq_BS, lengths_B, key, temperature, *, backend=None):
+            return seq_BS[:, :3], lengths_B, None, state
+
+    seq_BS = jnp.array([[5, 6, 7, 5, 6, 0, 0, 0], [1, 2, 3, 4, 9, 0, 0, 0]], jnp.int32)
+    lengths_B = jnp.array([4, 2], jnp.int32)
+    plain = Fixed().propose((), (), seq_BS, lengths_B, None, 0.0)
+    levels = Fixed().propose_levels((), (), seq_BS, lengths_B, None, 0.0)
+    assert Fixed.levels == 1 and Fixed.truncated is None and len(levels) == 5
+    for a, b in zip(plain, levels[:4]):
+        np.testing.assert_array_equal(np.asarray(a) if a is not None else a, np.asarray(b) if b is not None else b)
+    np.testing.assert_array_equal(levels[4], [0, 0])
+    assert levels[4].dtype == jnp.int32
+
+
+def test_prompt_lookup_propose_levels_is_propose_with_the_match_length():
     lookup = drafters.PromptLookup(K)
     seq_BS = jnp.array([[5, 6, 7, 5, 6, 0, 0, 0], [1, 2, 3, 4, 9, 0, 0, 0]], jnp.int32)
     lengths_B = jnp.array([4, 4], jnp.int32)
     plain = lookup.propose((), (), seq_BS, lengths_B, None, 0.0)
     levels = lookup.propose_levels((), (), seq_BS, lengths_B, None, 0.0)
-    assert len(levels) == 5
     for a, b in zip(plain, levels[:4]):
         np.testing.assert_array_equal(np.asarray(a) if a is not None else a, np.asarray(b) if b is not None else b)
     np.testing.assert_array_equal(levels[1], [3, 0])  # row 0 matched "5 6" (then 7 5 6), row 1 nothing
-    np.testing.assert_array_equal(levels[4], [0, 0])
+    np.testing.assert_array_equal(levels[4], [2, 0])  # a 2-gram: level 4 - 2; no match: level 0
     assert levels[4].dtype == jnp.int32
