@@ -6,8 +6,8 @@ compiled loop (`loop.Program`, `adaptive=True`) reads it as a runtime input; it 
 into this module. The Engine either takes a table (`Engine(..., costs=CostTable(...))`) or
 measures one here, once per engine configuration and batch size on its own platform, and keeps
 it on disk under the specjax cache directory (`costs/`), keyed by everything the timing depends
-on: platform, CPU model, the target's and draft's configs, dtype, backend, batch size, K and the
-mesh. With several processes (one mesh over hosts) every process takes process 0's figures: the
+on: specjax's own source (a changed loop is measured again), platform, CPU model, the target's
+and draft's configs, dtype, backend, batch size, K and the mesh. With several processes (one mesh over hosts) every process takes process 0's figures: the
 loop's choices must be the same program everywhere.
 
 `CostTable.from_ratios` builds a table from a published profile (a verify pass of width w
@@ -27,6 +27,7 @@ kind, K, sampling), in this process and on disk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -148,6 +149,23 @@ def cpu_model() -> str:
     return _platform.processor() or _platform.machine()
 
 
+@functools.cache
+def code_digest() -> str:
+    """A hash of specjax's own source (.py and the native kernels' .cc): a round's cost is the code's,
+    so a changed loop, drafter or rule is measured again, not served an old figure."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith((".py", ".cc")):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:16]
+
+
 def cache_key(engine, batch: int, what: str) -> str:
     """Everything a measurement depends on, hashed: `what` is "rounds" (the engine's adaptive round at
     each compiled width: drafter, the rule's kind, K and sampling included) or "draft" (one step of
@@ -155,7 +173,7 @@ def cache_key(engine, batch: int, what: str) -> str:
     import jax
 
     model = getattr(engine.drafter, "model", engine.drafter)
-    parts = dict(format=_FORMAT, platform=jax.default_backend(), cpu=cpu_model(), jax=jax.__version__,
+    parts = dict(format=_FORMAT, code=code_digest(), platform=jax.default_backend(), cpu=cpu_model(), jax=jax.__version__,
                  dtype=str(engine.target.dtype), backend=engine.backend.matmul, layers=engine.layers,
                  batch=int(batch), what=what, processes=jax.process_count())
     if engine.layout is not None:  # on a mesh a forward also pays for its collectives

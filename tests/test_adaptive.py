@@ -195,6 +195,11 @@ def test_measured_table_is_kept(target, tmp_path, monkeypatch):
     monkeypatch.setattr(costs, "_round_seconds", lambda *a: (1.0, 2.0, 3.0, 4.0))
     with pytest.warns(UserWarning, match="damaged cost measurement"):
         specjax.Engine(target, draft="pld", k=4, max_new_tokens=4).cost_table(2)
+    # changed code (another loop, rule or drafter) is another key: an old figure is not served
+    key = costs.cache_key(engine, 2, "rounds")
+    assert costs.cache_key(engine, 2, "rounds") == key and len(costs.code_digest()) == 16
+    monkeypatch.setattr(costs, "code_digest", lambda: "edited")
+    assert costs.cache_key(engine, 2, "rounds") != key
 
 
 def test_adaptive_is_off_without_a_draft_and_with_adaptive_false(target):
