@@ -79,11 +79,11 @@ class LoopState:
 # proposed something (verified or not; a round with nothing proposed tells nothing and ages
 # nothing), so an estimate rests on about the last 1 / (1 - DECAY) = 20 such rounds, and a
 # position that is no longer verified drifts back to its prior (weight PRIOR_WEIGHT rounds): for
-# position 0 the optimistic PRIOR_ACCEPT, for a later one the estimate of the position before it
+# position 0 PRIOR_ACCEPT (even odds), for a later one the estimate of the position before it
 # (`acceptance`). That is the exploration: a narrow policy widens again after some rounds and
 # relearns (no separate probe rounds).
 DECAY = 0.95
-PRIOR_ACCEPT = 0.8
+PRIOR_ACCEPT = 0.5
 PRIOR_WEIGHT = 2.0
 
 
