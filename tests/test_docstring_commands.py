@@ -57,6 +57,7 @@ SMALL: dict[str, dict[str, object]] = {
     "calibrate_asd": {"num_prompts": 3, "max_new_tokens": 64},  # a mismatch to calibrate on: a strong draft needs tokens
     "calibrate_csd": {"num_prompts": 2, "max_new_tokens": 8, "eval_prompts": 1},
     "cross_vocab_reference": {},
+    "cross_vocab_table": {"num_humaneval": 1, "num_mtbench": 1, "max_new_tokens": 8, "ks": ["8"]},
     "device_check": {"max_new_tokens": 4, "reps": 1, "qwen": False},
     "distributed": {"max_new_tokens": 4},
     "first_call": {"num_prompts": 1, "max_new_tokens": 4},
@@ -152,7 +153,7 @@ def needs(binary: str, args: list[str]) -> str | None:
     """What a command needs beyond CI's random weights: qwen, llamacpp, libtpu, smollm2, or None."""
     text = " ".join(args)
     given = dict(pairs(args))
-    if "qwen" in text.lower() or binary == "cross_vocab_reference":
+    if "qwen" in text.lower() or binary in ("cross_vocab_reference", "cross_vocab_table"):  # Qwen targets
         return "qwen"
     if "llamacpp" in (given.get("peer") or ""):
         return "llamacpp"

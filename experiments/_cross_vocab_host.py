@@ -1,0 +1,199 @@
+"""The yardsticks for drafting with another vocabulary: FLy's way on the host, and transformers'.
+
+`HostReference` is speculative decoding as FLy's published code does it for a draft of another model
+family: every round, on the host, the text the target has committed is re-tokenized with the draft's
+tokenizer, the draft proposes K tokens, their text is tokenized with the target's tokenizer (the first
+K ids kept), and the target verifies them with the engine's own rule. It is not in the library: it
+needs the host every round, which is what `specjax.cross_draft` avoids (tables on the device, one
+compiled loop). It is here to measure what that costs in acceptance (tau), on the same models,
+prompts and rule.
+
+Exactly, per round:
+
+- draft context = the draft's own prompt ids (its chat template) + draft_tok.encode(target_tok.decode(
+  the target's new tokens so far)); the draft's KV cache keeps the longest prefix it shares with the
+  previous round's context (its proposals included) and is fed the rest;
+- the draft decodes K tokens greedily (stopping after one of its EOS ids);
+- proposal = target_tok.encode(draft_tok.decode(those K ids))[:K], after dropping a trailing partial
+  UTF-8 character (decoded as U+FFFD);
+- the target scores [pending, proposal] in one forward at K + 1 positions, and `engine.rule` (exact or
+  FLy, with the engine's options) decides; the round emits the accepted drafts and the next token.
+
+`transformers_tau`: transformers' assisted generation with `assistant_tokenizer=` (its universal
+assisted decoding, which also re-tokenizes text every round), greedy, a constant K; its tau counts the
+target's forward calls.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+_FEED_BUCKETS = (16, 64, 256, 1024, 4096)
+
+
+def _bucket(n: int) -> int:
+    return next((b for b in _FEED_BUCKETS if b >= n), -(-n // 4096) * 4096)
+
+
+class HostReference:
+    """Speculative decoding with a draft of another vocabulary, re-tokenizing on the host every round.
+
+    engine: a `specjax.Engine` of the target with method "exact" or a loose rule and no drafter needed
+    (its target, rule, backend and EOS ids are used; batch 1, greedy). draft: a `specjax.models.Model`.
+    """
+
+    def __init__(self, engine, draft, k: int):
+        import functools
+
+        import jax
+
+        from specjax.models import llama
+
+        if engine.temperature != 0.0:
+            raise ValueError("the host reference is greedy: build the engine with temperature=0")
+        self.engine, self.draft, self.k = engine, draft, int(k)
+        self.t_tok, self.d_tok = engine.target.tokenizer, draft.tokenizer
+        self.d_eos = set(int(e) for e in draft.eos_token_ids)
+
+        def at(model, backend):
+            @functools.partial(jax.jit, static_argnames=())
+            def run(params, tokens_1T, cache, last):
+                logits, cache = llama.forward_cached(model.config, params, tokens_1T, cache, dtype=model.dtype,
+                                                     select_BJ=last[None, None], backend=backend)
+                return logits[0, 0], cache
+            return run
+
+        self._t_last = at(engine.target, engine.backend)
+        self._d_last = at(draft, None)
+
+        @jax.jit
+        def score(params, tokens_1R, cache):
+            return llama.forward_cached(engine.target.config, params, tokens_1R, cache, dtype=engine.target.dtype,
+                                        backend=engine.backend)
+        self._t_score = score
+
+    def generate(self, prompt_ids: Sequence[int], draft_prompt_ids: Sequence[int], max_new_tokens: int):
+        """(the target's new token ids, the number of rounds: the target's verifying forwards), batch 1."""
+        import jax
+        import jax.numpy as jnp
+
+        from specjax.models import llama
+
+        e, K = self.engine, self.k
+        P = len(prompt_ids)
+        S = _bucket(P) + max_new_tokens + K + 2
+        t_cache = llama.init_cache(e.target.config, 1, S, e.target.dtype)
+        first, t_cache = self._feed(self._t_last, e.target.params, t_cache, 0, list(prompt_ids))
+        out = [int(jnp.argmax(first))]
+        L = P  # the target's cached positions; out[-1] is pending
+        self._d_cache, self._d_cached = None, []
+        rule_state = e.rule.init_state(1)
+        rounds = 0
+        eos = set(e.eos_ids)
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            proposal = self.propose(out, draft_prompt_ids, max_new_tokens)
+            # the target verifies [pending, proposal] at K + 1 positions
+            fed = np.zeros((1, K + 1), np.int32)
+            fed[0, 0] = out[-1]
+            fed[0, 1:1 + len(proposal)] = proposal
+            logits_1RV, t_cache = self._t_score(e.target.params, fed, t_cache._replace(lengths=jnp.array([L], jnp.int32)))
+            drafts = np.zeros((1, K), np.int32)
+            drafts[0, :len(proposal)] = proposal
+            verdict, rule_state, _ = e.rule(rule_state, jnp.asarray(drafts), logits_1RV,
+                                            num_draft_B=jnp.array([len(proposal)], jnp.int32),
+                                            key=jax.random.PRNGKey(rounds), active_B=jnp.array([True]),
+                                            draft_probs_BKV=None, temperature=0.0, backend=e.backend)
+            n, nxt = int(verdict.num_accepted[0]), int(verdict.next_token[0])
+            out += proposal[:n] + [nxt]
+            L += n + 1
+            rounds += 1
+        out = out[:max_new_tokens]
+        if any(t in eos for t in out):
+            out = out[:next(i for i, t in enumerate(out) if t in eos) + 1]
+        return out, rounds
+
+    def propose(self, out: list[int], draft_prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """The round's proposal in target ids (at most K), from the target's new tokens `out` so far:
+        re-tokenized for the draft, K draft tokens, their text tokenized for the target."""
+        import jax.numpy as jnp
+
+        from specjax.models import llama
+
+        K = self.k
+        d_ctx = list(draft_prompt_ids) + self.d_tok.encode(self.t_tok.decode(out))
+        if self._d_cache is None:
+            self._d_cache = llama.init_cache(self.draft.config, 1, _bucket(len(d_ctx)) + 4 * max_new_tokens + 8 * K,
+                                             self.draft.dtype)
+        if len(d_ctx) + K + 1 > self._d_cache.k.shape[2]:
+            raise ValueError("the draft's context outgrew its cache (its ids are many more than the target's)")
+        keep = min(_common_prefix(self._d_cached, d_ctx), len(d_ctx) - 1)  # the cache's shared prefix
+        logits, cache = self._feed(self._d_last, self.draft.params, self._d_cache, keep, d_ctx[keep:])
+        proposal_d, cached = [], d_ctx[:]
+        while True:
+            g = int(jnp.argmax(logits))
+            proposal_d.append(g)
+            if g in self.d_eos or len(proposal_d) == K:
+                break
+            logits, cache = self._feed(self._d_last, self.draft.params, cache, len(cached), [g])
+            cached.append(g)
+        self._d_cache, self._d_cached = cache, cached
+        text = self.d_tok.decode(proposal_d).rstrip("\ufffd")  # a character cut by the K-th token
+        return self.t_tok.encode(text)[:K] if text else []
+
+    def _feed(self, fn, params, cache, start: int, ids: list[int]):
+        """Feeds `ids` at positions start.. (padded to a bucket: the padding's keys lie past the length
+        pointer, overwritten later); the logits after the last one and the cache, its length moved."""
+        import jax.numpy as jnp
+
+        n = len(ids)
+        tokens = np.zeros((1, _bucket(n)), np.int32)
+        tokens[0, :n] = ids
+        logits, cache = fn(params, tokens, cache._replace(lengths=jnp.array([start], jnp.int32)),
+                           jnp.int32(n - 1))
+        return logits, cache._replace(lengths=jnp.array([start + n], jnp.int32))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def transformers_tau(target_gguf, draft_gguf, prompts: Sequence[Sequence[int]], k: int,
+                     max_new_tokens: int) -> list[tuple[list[int], float]]:
+    """Per prompt (target ids): (the new ids, tau = new tokens / the target's forward calls) of
+    transformers' assisted generation with a draft of another tokenizer, greedy, K constant."""
+    import pathlib
+
+    import torch
+    import transformers
+
+    def load(path):
+        path = pathlib.Path(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return model, tok
+
+    target, t_tok = load(target_gguf)
+    draft, d_tok = load(draft_gguf)
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    calls = [0]
+    target.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    results = []
+    for ids in prompts:
+        calls[0] = 0
+        x = torch.tensor([list(ids)])
+        with torch.no_grad():
+            y = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=draft, tokenizer=t_tok,
+                                assistant_tokenizer=d_tok, max_new_tokens=max_new_tokens, do_sample=False)
+        new = y[0, x.shape[1]:].tolist()
+        results.append((new, len(new) / max(calls[0], 1)))
+    return results

@@ -1,0 +1,184 @@
+r"""Drafts of another family against their yardsticks: tau and tokens/s per prompt, resumable.
+
+For each target (--targets) and each prompt (HumanEval chat requests, then MT-Bench first turns), at
+each K (--ks) and rule (--methods), greedy, fixed K (`adaptive=False`, so tau is the drafts' and not
+the width policy's), batch 1:
+
+    cross          specjax's on-device translation: Engine(target, draft=--cross_draft), the draft
+                   reading the request rendered by its own chat template (draft_prompts=)
+    host           FLy's way: the text re-tokenized on the host every round (experiments/_cross_vocab_host.py)
+    transformers   transformers' assisted generation with assistant_tokenizer= (exact only; --transformers)
+    same           a draft of the target's own family (--same_draft; not when it is the target)
+    pld            prompt lookup
+
+and target-only decoding first. Every measurement is a line of OUTPUT_DIR/measurements.jsonl, written as
+it is made: the same command resumes. The table (printed, and OUTPUT_DIR/table.md) gives per target, K
+and rule: tau over all prompts (tokens from rounds / rounds), the median over prompts of tokens/s over
+target-only's, exact's outputs equal to target-only's, and the on-device tau over the best of host and
+transformers (the goal: >= 0.9).
+
+    python experiments/cross_vocab_table.py --output_dir experiments/results/cross_vocab_table
+    python experiments/cross_vocab_table.py --num_humaneval 2 --num_mtbench 2 --ks 8 --max_new_tokens 32 \
+        --targets qwen2.5-coder-0.5b-instruct --notransformers --output_dir /tmp/cross_small
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+from absl import flags, logging
+
+from experiments import _cli, _jsonl, _paths
+from experiments._cross_vocab_rows import DRAFTERS, sha, configs, key, label, prompts, table
+
+_TARGETS = flags.DEFINE_list("targets", ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"], "Targets.")
+_CROSS = flags.DEFINE_string("cross_draft", "smollm2-135m-instruct", "The draft of another family.")
+_SAME = flags.DEFINE_string("same_draft", "qwen2.5-coder-0.5b-instruct", "The draft of the targets' family.")
+_KS = flags.DEFINE_list("ks", ["8", "15"], "Draft lengths.")
+_METHODS = flags.DEFINE_list("methods", ["exact", "fly"], "Rules (specjax method names).")
+_NUM_HE = flags.DEFINE_integer("num_humaneval", 40, "HumanEval chat requests (the first N).")
+_NUM_MT = flags.DEFINE_integer("num_mtbench", 40, "MT-Bench first turns (the first N).")
+_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens at most per prompt (each model's EOS ends a reply).")
+_TRANSFORMERS = flags.DEFINE_boolean("transformers", True, "Also run transformers' assisted generation (exact).")
+_OUT = flags.DEFINE_string("output_dir", None, "Where measurements.jsonl (resumed) and table.md go.")
+flags.mark_flag_as_required("output_dir")
+
+class Runner:
+    """The specjax side: models, engines and the host reference built once per target, lines appended."""
+
+    def __init__(self, target_name: str, ledger: _jsonl.Ledger, settings: dict):
+        import specjax
+        from experiments import _models
+        from experiments._cross_vocab_host import HostReference
+
+        self.specjax, self.HostReference = specjax, HostReference
+        self.ledger, self.settings, self.new = ledger, settings, settings["max_new_tokens"]
+        self.target = _models.load_model(target_name)
+        self.cross = _models.load_model(_CROSS.value)
+        self.same = None if _SAME.value == target_name else _models.draft_model(_SAME.value, self.target)
+        self.engines: dict[str, object] = {}
+
+    def engine(self, drafter: str | None, method: str = "exact", k: int = 0):
+        name = "target-only" if drafter is None else label(drafter, method, k)
+        if name not in self.engines:
+            spec = {None: None, "cross": self.cross, "same": self.same, "pld": "pld", "host": "pld"}[drafter]
+            if spec is None:
+                e = self.specjax.Engine(self.target, max_new_tokens=self.new)
+            else:
+                e = self.specjax.Engine(self.target, draft=spec, method=method, k=k, adaptive=False,
+                                        max_new_tokens=self.new)
+            self.engines[name] = self.HostReference(e, self.cross, k) if drafter == "host" else e
+        return self.engines[name]
+
+    def measure(self, dataset, index, text, drafter, method, k, base_sha) -> dict:
+        ids = self.target.tokenizer.chat_prompt_ids(text)
+        own = self.cross.tokenizer.chat_prompt_ids(text)  # the draft's own rendering of the request
+        engine = self.engine(drafter, method, k)
+        if drafter == "host":
+            start = time.perf_counter()
+            tokens, rounds = engine.generate(ids, own, self.new)
+            seconds = time.perf_counter() - start
+            tau = (len(tokens) - 1) / max(rounds, 1)
+        else:
+            kwargs = {"draft_prompts": [own]} if drafter == "cross" else {}
+            engine.generate([ids], **kwargs)  # compiled (or read from the cache) outside the timing
+            start = time.perf_counter()
+            out = engine.generate([ids], **kwargs)
+            seconds = time.perf_counter() - start
+            tokens, rounds, tau = out.tokens[0], out.stats.get("rounds", 0), out.stats.get("tau", 1.0)
+        line = dict(self.settings, dataset=dataset, index=index, prompt_sha=sha(text),
+                    config="target-only" if drafter is None else label(drafter, method, k),
+                    drafter=drafter or "none", method=method, k=k, tokens=len(tokens), rounds=rounds, tau=tau,
+                    seconds=seconds, tokens_per_s=len(tokens) / seconds,
+                    output_sha=sha(",".join(map(str, tokens))), date=datetime.date.today().isoformat())
+        if base_sha is not None:
+            line["equals_target_only"] = line["output_sha"] == base_sha
+        self.ledger.append(line)
+        return line
+
+
+def run_specjax(target_name, items, ledger, settings) -> None:
+    runner = None
+    todo = configs([int(k) for k in _KS.value], _METHODS.value, target_name, _SAME.value)
+    for n, (dataset, index, text) in enumerate(items):
+        base = ledger.get(key({**settings, "dataset": dataset, "index": index, "config": "target-only"}))
+        for drafter, method, k in [(None, "exact", 0), *todo]:
+            name = "target-only" if drafter is None else label(drafter, method, k)
+            old = ledger.get(key({**settings, "dataset": dataset, "index": index, "config": name}))
+            if old is not None:
+                if old["prompt_sha"] != sha(text):
+                    raise _paths.RunError(f"{dataset} {index}: the ledger's prompt differs (another data set "
+                                          "version?): use another --output_dir")
+                continue
+            runner = runner or Runner(target_name, ledger, settings)
+            line = runner.measure(dataset, index, text, drafter, method, k, None if base is None else base["output_sha"])
+            if drafter is None:
+                base = line
+            _cli.log(f"{target_name} prompt {n + 1}/{len(items)} ({dataset} {index}) {name}: "
+                     f"tau {line['tau']:.2f}, {line['tokens_per_s']:.1f} tokens/s")
+
+
+def run_transformers(target_name, items, ledger, settings) -> None:
+    from specjax.models import presets
+    from experiments._cross_vocab_host import transformers_tau
+
+    for k in (int(k) for k in _KS.value):
+        name = label("transformers", "exact", k)
+        missing = [(d, i, t) for d, i, t in items
+                   if ledger.get(key({**settings, "dataset": d, "index": i, "config": name})) is None]
+        if not missing:
+            continue
+        from specjax.models.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_gguf(presets.resolve(target_name))
+        results = transformers_tau(presets.resolve(target_name), presets.resolve(_CROSS.value),
+                                   [tok.chat_prompt_ids(t) for _, _, t in missing], k, settings["max_new_tokens"])
+        for (dataset, index, text), (tokens, tau) in zip(missing, results):
+            base = ledger.get(key({**settings, "dataset": dataset, "index": index, "config": "target-only"}))
+            line = dict(settings, dataset=dataset, index=index, prompt_sha=sha(text), config=name,
+                        drafter="transformers", method="exact", k=k, tokens=len(tokens), tau=tau,
+                        output_sha=sha(",".join(map(str, tokens))), date=datetime.date.today().isoformat())
+            if base is not None:  # transformers stops at its generation config's EOS ids: compared, not assumed
+                line["equals_target_only"] = line["output_sha"] == base["output_sha"]
+            ledger.append(line)
+            _cli.log(f"{target_name} ({dataset} {index}) {name}: tau {tau:.2f}")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise _paths.RunError(f"unexpected arguments: {' '.join(argv[1:])}")
+    _paths.check_output("output_dir", _OUT.value, dir=True)
+    logging.set_verbosity(logging.WARNING)
+    try:
+        ks = [int(k) for k in _KS.value]
+    except ValueError:
+        raise _paths.RunError(f"--ks must be integers, got {_KS.value}") from None
+    if not ks or min(ks) < 1 or _NEW.value < 2 or min(_NUM_HE.value, _NUM_MT.value) < 0:
+        raise _paths.RunError("--ks must be integers >= 1, --max_new_tokens >= 2, prompt counts >= 0")
+    items = prompts(_NUM_HE.value, _NUM_MT.value)
+    os.makedirs(_OUT.value, exist_ok=True)
+    ledger = _jsonl.Ledger(os.path.join(_OUT.value, "measurements.jsonl"), key)
+    _paths.set_status(lambda: f"{len(ledger)} measurements in {ledger.path}; the same command resumes")
+    for target in _TARGETS.value:
+        settings = dict(target=target, cross_draft=_CROSS.value, max_new_tokens=_NEW.value, machine=_cli.machine())
+        run_specjax(target, items, ledger, settings)
+        if _TRANSFORMERS.value:
+            run_transformers(target, items, ledger, settings)
+    ledger.close()
+    lines = list(ledger.lines.values())
+    dates = sorted({l["date"] for l in lines}) or [datetime.date.today().isoformat()]
+    parts = [f"# Drafts of another family: {_CROSS.value} for {', '.join(_TARGETS.value)}", "",
+             f"{lines[0]['machine'] if lines else _cli.machine()}; {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}; "
+             f"up to {_NEW.value} new tokens, greedy, fixed K, batch 1. tau: tokens from rounds / rounds over all "
+             "prompts (transformers: new tokens / the target's forward calls, mean over prompts)."]
+    for target in _TARGETS.value:
+        parts += ["", f"## {target}", "", table(lines, target)]
+    text = "\n".join(parts) + "\n"
+    print(text)
+    _paths.write_text(os.path.join(_OUT.value, "table.md"), text)
+
+
+if __name__ == "__main__":
+    _paths.run(main)
