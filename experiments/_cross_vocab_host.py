@@ -164,10 +164,10 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def transformers_tau(target_gguf, draft_gguf, prompts: Sequence[Sequence[int]], k: int,
-                     max_new_tokens: int) -> list[tuple[list[int], float]]:
-    """Per prompt (target ids): (the new ids, tau = new tokens / the target's forward calls) of
-    transformers' assisted generation with a draft of another tokenizer, greedy, K constant."""
+def transformers_tau(target_gguf, draft_gguf, k: int, max_new_tokens: int):
+    """A function of one prompt (target ids) -> (the new ids, tau = new tokens / the target's forward
+    calls) of transformers' assisted generation with a draft of another tokenizer, greedy, K constant;
+    both models loaded once."""
     import pathlib
 
     import torch
@@ -187,13 +187,14 @@ def transformers_tau(target_gguf, draft_gguf, prompts: Sequence[Sequence[int]], 
     draft.generation_config.assistant_confidence_threshold = 0.0
     calls = [0]
     target.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    results = []
-    for ids in prompts:
+
+    def run(ids: Sequence[int]) -> tuple[list[int], float]:
         calls[0] = 0
         x = torch.tensor([list(ids)])
         with torch.no_grad():
             y = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=draft, tokenizer=t_tok,
                                 assistant_tokenizer=d_tok, max_new_tokens=max_new_tokens, do_sample=False)
         new = y[0, x.shape[1]:].tolist()
-        results.append((new, len(new) / max(calls[0], 1)))
-    return results
+        return new, len(new) / max(calls[0], 1)
+
+    return run

@@ -133,9 +133,14 @@ def run_transformers(target_name, items, ledger, settings) -> None:
         from specjax.models.tokenizer import Tokenizer
 
         tok = Tokenizer.from_gguf(presets.resolve(target_name))
-        results = transformers_tau(presets.resolve(target_name), presets.resolve(_CROSS.value),
-                                   [tok.chat_prompt_ids(t) for _, _, t in missing], k, settings["max_new_tokens"])
-        for (dataset, index, text), (tokens, tau) in zip(missing, results):
+        peer = transformers_tau(presets.resolve(target_name), presets.resolve(_CROSS.value), k,
+                                settings["max_new_tokens"])
+        for dataset, index, text in missing:
+            try:
+                tokens, tau = peer(tok.chat_prompt_ids(text))
+            except RuntimeError as e:  # not recorded: a rerun tries the prompt again
+                _cli.log(f"{target_name} ({dataset} {index}) {name}: transformers failed: {str(e)[:200]}")
+                continue
             base = ledger.get(key({**settings, "dataset": dataset, "index": index, "config": "target-only"}))
             line = dict(settings, dataset=dataset, index=index, prompt_sha=sha(text), config=name,
                         drafter="transformers", method="exact", k=k, tokens=len(tokens), tau=tau,
