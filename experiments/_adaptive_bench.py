@@ -61,6 +61,21 @@ def has_adaptive() -> bool:
     return "adaptive" in inspect.signature(specjax.Engine.__init__).parameters
 
 
+def carries_adaptation() -> bool:
+    """Whether this specjax's generate takes `adaptation=` (the policy's counts carried between calls)."""
+    return "adaptation" in inspect.signature(specjax.Engine.generate).parameters
+
+
+def _adaptation(line: dict | None):
+    """The policy's counts an adaptive measurement left (its ledger line's), or None."""
+    if not line or not line.get("adaptation"):
+        return None
+    from specjax import loop
+
+    hits, trials = (np.asarray(line["adaptation"][k], np.float32) for k in ("hits", "trials"))
+    return loop.Adapt(hits_LK=hits, trials_LK=trials, widths_W=np.zeros((hits.shape[1] + 2,), np.int32))
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     method: str  # a method spec: "exact", "fly", "fly:rule=reference,entropy=top3"
@@ -133,7 +148,9 @@ class Runner:
             self.engines[name] = e
         return self.engines[name]
 
-    def measure(self, dataset: str, index: int, text: str, ids: list[int], row: Row | None) -> dict:
+    def measure(self, dataset: str, index: int, text: str, ids: list[int], row: Row | None,
+                start=None) -> dict:
+        """One timed generate; `start`: the adaptive policy's counts to begin from (an earlier line's)."""
         name = TARGET if row is None else row.label
         engine = self.engine(row)
         if (name, engine.prompt_width([ids])) not in self.compiled:  # untimed (from disk when compiled before)
@@ -141,9 +158,10 @@ class Runner:
             if row is not None and row.adaptive:
                 engine.cost_table(1)  # measured once per configuration (or read from disk): not in the timing
             self.compiled.add((name, engine.prompt_width([ids])))
-        start = time.perf_counter()
-        out = engine.generate([ids])
-        seconds = time.perf_counter() - start
+        extra = {"adaptation": start} if start is not None else {}
+        began = time.perf_counter()
+        out = engine.generate([ids], **extra)
+        seconds = time.perf_counter() - began
         s = out.stats
         line = dict(dataset=dataset, index=index, config=name, prompt_sha=_sha(text), prompt_tokens=len(ids),
                     tokens=len(out.tokens[0]), seconds=seconds, tokens_per_s=len(out.tokens[0]) / seconds,
@@ -154,11 +172,19 @@ class Runner:
                     date=datetime.date.today().isoformat())
         if row is not None:
             line.update(method=row.method, draft=row.draft, k=row.k, adaptive=row.adaptive)
+        if row is not None and row.adaptive and carries_adaptation():  # what the next prompt starts from
+            line.update(warm_start=start is not None, adaptation={
+                "hits": np.asarray(out.adaptation.hits_LK).tolist(),
+                "trials": np.asarray(out.adaptation.trials_LK).tolist()})
         self.ledger.append(line)
         return line
 
     def run(self, items: Sequence[tuple[str, int, str]], all_rows: Sequence[Row]) -> int:
-        """Measures whatever the ledger lacks, prompt by prompt; the number of new measurements."""
+        """Measures whatever the ledger lacks, prompt by prompt; the number of new measurements.
+
+        An adaptive row starts each prompt from the counts its previous prompt of the same data set
+        left (read from the ledger, so a resumed run starts where an unbroken one would), as a
+        server's stream of requests would; the first prompt of a data set starts from none."""
         done = 0
         for n, (dataset, index, text) in enumerate(items):
             ids = self.target.tokenizer.chat_prompt_ids(text)
@@ -170,7 +196,11 @@ class Runner:
                         raise ValueError(f"{dataset} {index}: the ledger's prompt differs from this one "
                                          "(another version of the data set?): use another --output_dir")
                     continue
-                line = self.measure(dataset, index, text, ids, row)
+                start = None
+                if row is not None and row.adaptive and index > 0:
+                    start = _adaptation(self.ledger.get(key({**self.settings, "dataset": dataset,
+                                                             "index": index - 1, "config": row.label})))
+                line = self.measure(dataset, index, text, ids, row, start)
                 done += 1
                 self.log(f"prompt {n + 1}/{len(items)} ({dataset} {index}) {line['config']}: "
                          f"{line['tokens_per_s']:.1f} tokens/s, tau {line['tau']:.2f}")

@@ -48,6 +48,9 @@ class GenerateOutput:
     # the rule's final state: the CSD memory (with what this call taught it), the ASD
     # ledgers f32[B], or (); `generate(..., rule_state=out.rule_state)` carries it on
     rule_state: Any = ()
+    # an adaptive engine's acceptance counts after this call (`loop.Adapt`), else ();
+    # `generate(..., adaptation=out.adaptation)` starts the next call's policy from them
+    adaptation: Any = ()
 
 
 class Engine:
@@ -193,7 +196,8 @@ class Engine:
                 if jax.tree.leaves(draft_params) else draft_params)
 
     # -- inputs --------------------------------------------------------------
-    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None, measure: bool = True, draft_prompts=None):
+    def _prepare(self, prompts: Sequence[Sequence[int]], rule_state=None, measure: bool = True, draft_prompts=None,
+                 adaptation=None):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError("prompts must be a non-empty list of token-id lists")
         V = self.target.config.vocab_size
@@ -235,7 +239,8 @@ class Engine:
         # host arrays: jit transfers them; the PRNG key is made inside the program
         inputs = dict(prompt_BT=prompt_BT, prompt_len_B=np.asarray(lengths, np.int32), seed=np.uint32(self.seed),
                       rule_state=state, costs=self._costs(program, len(prompts), measure),
-                      draft_prompt=draft_prompt_inputs(self, draft_prompts, len(prompts), max_len))
+                      draft_prompt=draft_prompt_inputs(self, draft_prompts, len(prompts), max_len),
+                      adaptation=_adaptation(program, adaptation))
         if self.layout is not None:  # rows split over "data" (a batch it does not divide is an error)
             self.layout.check_batch(len(prompts))
             rows = self.layout.spec("rows")
@@ -245,6 +250,8 @@ class Engine:
                                                  costs=jax.tree.map(lambda _: self.layout.replicated,
                                                                     inputs["costs"]),
                                                  rule_state=jax.tree.map(lambda _: self.layout.replicated, state),
+                                                 adaptation=jax.tree.map(lambda _: self.layout.replicated,
+                                                                         inputs["adaptation"]),
                                                  draft_prompt=(self.layout.named(rows), self.layout.named(P(rows[0])))
                                                  if inputs["draft_prompt"] else ()))
         return program, dict(params=self.params, **inputs)
@@ -302,7 +309,8 @@ class Engine:
         """The padded prompt width these prompts compile for (one program per width)."""
         return prompt_width(max(len(p) for p in prompts), self.prompt_bucket)
 
-    def generate(self, prompts: Sequence[Sequence[int]], rule_state=None, draft_prompts=None) -> GenerateOutput:
+    def generate(self, prompts: Sequence[Sequence[int]], rule_state=None, draft_prompts=None,
+                 adaptation=None) -> GenerateOutput:
         """New tokens and statistics for each prompt (one compiled program for the whole batch).
 
         rule_state: the rule's starting state, e.g. the `rule_state` of an earlier output so
@@ -312,18 +320,34 @@ class Engine:
         same conversation in the draft's own ids, e.g. rendered by its own chat template
         (`draft.tokenizer.apply_chat_template(messages)`, encoded), where the draft otherwise reads
         the translation of `prompts`. It changes what the draft proposes, never what exact
-        verification emits. Checked: one per prompt, ids in the draft's vocabulary."""
-        program, args = self._prepare(prompts, rule_state, draft_prompts=draft_prompts)
+        verification emits. Checked: one per prompt, ids in the draft's vocabulary.
+        adaptation: an adaptive engine's acceptance counts to start from, the `adaptation` of an
+        earlier output of an engine with the same drafter and k (default: none, even odds), so
+        that a stream of requests keeps what earlier ones showed of the draft (docs/adaptive.md).
+        Any batch size: the counts are per drafter level and draft position."""
+        program, args = self._prepare(prompts, rule_state, draft_prompts=draft_prompts, adaptation=adaptation)
         out = jax.device_get(program.run(**args))
         tokens = [out.seq_BS[b, len(p): len(p) + out.num_out_B[b]].tolist() for b, p in enumerate(prompts)]
         stats = loop.statistics(out.counters, out.rule_state, out.widths_W)
-        return flag_invalid(GenerateOutput(tokens, stats, out.rule_state))
+        return flag_invalid(GenerateOutput(tokens, stats, out.rule_state, out.adapt))
 
-    def lower(self, prompts: Sequence[Sequence[int]], rule_state=None, draft_prompts=None) -> jax.stages.Lowered:
+    def lower(self, prompts: Sequence[Sequence[int]], rule_state=None, draft_prompts=None,
+              adaptation=None) -> jax.stages.Lowered:
         """The whole generation for these prompts' shapes, lowered (`.compile()` fills the cache
         that `generate` reads)."""
-        program, args = self._prepare(prompts, rule_state, measure=False, draft_prompts=draft_prompts)
+        program, args = self._prepare(prompts, rule_state, measure=False, draft_prompts=draft_prompts,
+                                      adaptation=adaptation)
         return loop.Program.run.lower(program, **args)
+
+
+def _adaptation(program: loop.Program, given):
+    """The adaptive program's starting counts as host arrays (none given: zeros, so that a fresh and
+    a carried start share one compiled program), checked; () for a program that does not adapt."""
+    if not program.adapts:
+        if given is not None and jax.tree.leaves(given):
+            raise ValueError("adaptation was given, but this engine does not adapt (draft=None or adaptive=False)")
+        return ()
+    return jax.device_get(program.initial_adapt(() if given is None else given))
 
 
 def _prepare_models(mesh_config: sharding.MeshConfig, target, draft):

@@ -79,9 +79,11 @@ class LoopState:
 # proposed something (verified or not; a round with nothing proposed tells nothing and ages
 # nothing), so an estimate rests on about the last 1 / (1 - DECAY) = 20 such rounds, and a
 # position that is no longer verified drifts back to its prior (weight PRIOR_WEIGHT rounds): for
-# position 0 PRIOR_ACCEPT (even odds), for a later one the estimate of the position before it
-# (`acceptance`). That is the exploration: a narrow policy widens again after some rounds and
-# relearns (no separate probe rounds).
+# position 0 the levels' pooled estimate (PRIOR_ACCEPT, even odds, before any evidence), for a
+# later one the estimate of the position before it (`acceptance`). That is the exploration: a
+# narrow policy widens again after some rounds and relearns (no separate probe rounds). The counts
+# can start from an earlier call's (`Program.run`'s adaptation), so a stream of requests does not
+# relearn its draft from even odds each time.
 DECAY = 0.95
 PRIOR_ACCEPT = 0.5
 PRIOR_WEIGHT = 2.0
@@ -106,11 +108,15 @@ def acceptance(adapt: Adapt) -> jax.Array:
     """Conditional acceptance p[l, j] = P(position j accepted | positions < j accepted): float32[L, K].
 
     Each position's counts are shrunk towards the estimate of the position before it (position 0
-    towards PRIOR_ACCEPT): a position seldom reached inherits what the reached ones show, so a
+    towards the pooled position 0 of all levels, that towards PRIOR_ACCEPT): a position seldom
+    reached inherits what the reached ones show, so a
     lookup whose first draft is kept one time in three does not look like a five-token run because
     its deeper positions were never verified."""
     hits_LK, trials_LK = adapt.hits_LK, adapt.trials_LK
-    prior_L = jnp.full(hits_LK.shape[:1], PRIOR_ACCEPT, jnp.float32)
+    # position 0 of every level shrinks towards the levels' pooled estimate (itself shrunk towards
+    # PRIOR_ACCEPT): a level that has not proposed yet starts from what the others showed
+    pooled = (hits_LK[:, 0].sum() + PRIOR_WEIGHT * PRIOR_ACCEPT) / (trials_LK[:, 0].sum() + PRIOR_WEIGHT)
+    prior_L = jnp.full(hits_LK.shape[:1], pooled, jnp.float32)
     columns = []
     for j in range(hits_LK.shape[1]):  # K is small and static: a chain of elementwise ops, fused
         prior_L = (hits_LK[:, j] + PRIOR_WEIGHT * prior_L) / (trials_LK[:, j] + PRIOR_WEIGHT)
@@ -159,6 +165,7 @@ class Output:
     counters: Counters
     rule_state: Any  # the rule's final state, to carry into the next call
     widths_W: Any = ()  # int32[K + 2]: rounds per verified width (adaptive programs), else ()
+    adapt: Any = ()  # the policy's final Adapt (adaptive programs), to start the next call from, else ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -208,16 +215,20 @@ class Program:
                 "draft_step": np.float32(table.draft_step_s)}
 
     @functools.partial(jax.jit, static_argnames=("self",))
-    def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state, costs=(), draft_prompt=()) -> Output:
+    def run(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state, costs=(), draft_prompt=(),
+            adaptation=()) -> Output:
         """The whole generation: prefill, then rounds until every row is done.
 
         costs (adaptive programs): {"verify_W": float32[len(widths)] seconds of a verify forward at
         each compiled width, "draft_step": float32[] seconds of one draft step}; else ().
         draft_prompt: () or (ids_BTd, len_B), the draft's own prompt for a draft of another
-        vocabulary (`cross_draft.CrossVocabDrafter.init`'s draft_prompt_BT, draft_prompt_len_B)."""
+        vocabulary (`cross_draft.CrossVocabDrafter.init`'s draft_prompt_BT, draft_prompt_len_B).
+        adaptation (adaptive programs): () to start from no counts, or an `Adapt` of this drafter's
+        levels and K, e.g. an earlier call's `Output.adapt`."""
         if self.adapts and not (isinstance(costs, dict) and set(costs) == {"verify_W", "draft_step"}):
             raise ValueError("an adaptive program needs costs={'verify_W': ..., 'draft_step': ...}")
-        state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state, draft_prompt)
+        state = self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state, draft_prompt,
+                             adaptation)
         if self.drafter is None:
             body = functools.partial(self.target_only_round, params)
         elif self.adaptive:
@@ -226,15 +237,18 @@ class Program:
             body = functools.partial(self.speculative_round, params)
         state = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), body, state)
         out = Output(seq_BS=state.seq_BS, num_out_B=state.num_out_B, counters=state.counters,
-                     rule_state=state.rule_state, widths_W=state.adapt.widths_W if self.adapts else ())
+                     rule_state=state.rule_state, widths_W=state.adapt.widths_W if self.adapts else (),
+                     adapt=state.adapt)
         # replicated outputs: every process of a multi-process run reads them
         return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.layout.replicated)
 
     @functools.partial(jax.jit, static_argnames=("self",))
-    def start(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state, costs=(), draft_prompt=()) -> LoopState:
+    def start(self, *, params: Params, prompt_BT, prompt_len_B, seed, rule_state, costs=(), draft_prompt=(),
+              adaptation=()) -> LoopState:
         """The loop state after prefill, as `run` starts its rounds from it (`run`'s arguments)."""
         del costs  # `run`'s arguments, as the Engine prepares them
-        return self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state, draft_prompt)
+        return self.prefill(params, prompt_BT, prompt_len_B, jax.random.PRNGKey(seed), rule_state, draft_prompt,
+                            adaptation)
 
     @functools.partial(jax.jit, static_argnames=("self", "n"), donate_argnames=("state",))
     def rounds(self, params: Params, costs, state: LoopState, n: int) -> LoopState:
@@ -260,7 +274,8 @@ class Program:
         """Pins `x` (an array, a KVCache, or a drafter state) to the layout's sharding of `kind`."""
         return x if self.layout is None else self.layout.constrain(kind, x)
 
-    def prefill(self, params: Params, prompt_BT, prompt_len_B, key, rule_state, draft_prompt=()) -> LoopState:
+    def prefill(self, params: Params, prompt_BT, prompt_len_B, key, rule_state, draft_prompt=(),
+                adaptation=()) -> LoopState:
         """Runs the ragged, right-padded prompts through the target (and the drafter) and
         emits each row's first token, which belongs to no round."""
         B, T = prompt_BT.shape
@@ -277,9 +292,24 @@ class Program:
                           num_out_B=jnp.zeros((B,), jnp.int32), done_B=jnp.zeros((B,), bool), key=key,
                           draft_state=self._shard("draft_cache", draft_state), rule_state=rule_state,
                           counters=Counters.zeros(B, self.k),
-                          adapt=Adapt.zeros(self.drafter.levels, self.k) if self.adapts else ())
+                          adapt=self.initial_adapt(adaptation) if self.adapts else ())
         state, _ = self.commit(state, first_B[:, None], jnp.ones((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
         return state
+
+    def initial_adapt(self, adaptation) -> Adapt:
+        """The policy's starting counts: none, or `adaptation`'s (`run`), checked against this program."""
+        fresh = Adapt.zeros(self.drafter.levels, self.k)
+        if isinstance(adaptation, tuple) and not adaptation:
+            return fresh
+        shapes = {jnp.shape(adaptation.hits_LK), jnp.shape(adaptation.trials_LK)} if isinstance(
+            adaptation, Adapt) else {type(adaptation).__name__}
+        if shapes != {fresh.hits_LK.shape}:
+            raise ValueError(f"adaptation must be an Adapt of {fresh.hits_LK.shape[0]} drafter levels x K = "
+                             f"{self.k} positions (an earlier output's, of the same drafter and k), got "
+                             f"{' and '.join(map(str, sorted(shapes, key=str)))}")
+        # the counts carry on; the widths are counted per call
+        return fresh.replace(hits_LK=jnp.asarray(adaptation.hits_LK, jnp.float32),
+                             trials_LK=jnp.asarray(adaptation.trials_LK, jnp.float32))
 
     def target_only_round(self, params: Params, state: LoopState) -> LoopState:
         """Autoregressive baseline: score the pending token, emit the next one."""

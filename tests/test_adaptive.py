@@ -89,7 +89,8 @@ def test_acceptance_is_learned_and_forgotten():
     p = np.asarray(loop.acceptance(adapt))
     n = sum(loop.DECAY ** i for i in range(40))  # the decayed count of 40 rounds
     w, prior = loop.PRIOR_WEIGHT, loop.PRIOR_ACCEPT
-    np.testing.assert_allclose(p[:, 0], [(n + w * prior) / (n + w), w * prior / (n + w)], rtol=1e-5)
+    pooled = (n + w * prior) / (2 * n + w)  # position 0 of both levels, shrunk towards the prior
+    np.testing.assert_allclose(p[:, 0], [(n + w * pooled) / (n + w), w * pooled / (n + w)], rtol=1e-5)
     assert (p[0] > 0.9).all() and p[1, 0] < 0.1
     # never reached behind a rejection: a later position inherits the estimate before it, not the
     # optimistic prior, so a lookup that is rarely right does not look like a long run
@@ -98,11 +99,12 @@ def test_acceptance_is_learned_and_forgotten():
     for _ in range(60):  # nothing proposed: nothing learned, nothing forgotten
         adapt = loop.learn(adapt, level_B, jnp.array([0, 0]), jnp.array([0, 0]), live_B)
     np.testing.assert_array_equal(loop.acceptance(adapt), loop.acceptance(kept))
-    for _ in range(60):  # proposed, not verified (width 1): the estimates drift back to the optimistic prior
+    for _ in range(60):  # proposed, not verified (width 1): level 1 drifts back to its prior, the pooled
         adapt = loop.learn(adapt, level_B, jnp.array([0, 0]), jnp.array([0, 0]), live_B, jnp.array([0, 3]))
     p = np.asarray(loop.acceptance(adapt))
-    assert p[1, 0] > 0.5 * loop.PRIOR_ACCEPT
-    np.testing.assert_array_equal(p[0], np.asarray(loop.acceptance(kept))[0])  # level 0 proposed nothing
+    assert p[1, 0] > 0.5 * loop.PRIOR_ACCEPT and p[1, 0] > 10 * np.asarray(loop.acceptance(kept))[1, 0]
+    np.testing.assert_array_equal(adapt.hits_LK[0], kept.hits_LK[0])  # level 0 proposed nothing: its counts
+    np.testing.assert_array_equal(adapt.trials_LK[0], kept.trials_LK[0])  # stay as they were
 
 
 def test_unreached_positions_inherit_the_last_reached_estimate():
@@ -114,6 +116,46 @@ def test_unreached_positions_inherit_the_last_reached_estimate():
     np.testing.assert_array_equal(p[3:], [p[2], p[2]])
     # with no counts at all, every position is the optimistic prior
     np.testing.assert_allclose(loop.acceptance(loop.Adapt.zeros(2, 3)), np.full((2, 3), loop.PRIOR_ACCEPT))
+
+
+def test_a_level_without_counts_starts_from_what_the_others_showed():
+    adapt = loop.Adapt.zeros(3, 4)
+    for _ in range(30):  # level 0 keeps every draft; levels 1 and 2 never propose
+        adapt = loop.learn(adapt, jnp.array([0]), jnp.array([4]), jnp.array([4]), jnp.array([True]))
+    p = np.asarray(loop.acceptance(adapt))
+    hits, trials = float(adapt.hits_LK[0, 0]), float(adapt.trials_LK[0, 0])
+    pooled = (hits + loop.PRIOR_WEIGHT * loop.PRIOR_ACCEPT) / (trials + loop.PRIOR_WEIGHT)
+    np.testing.assert_allclose(p[1:], np.full((2, 4), pooled), rtol=1e-6)
+    assert pooled > 0.9 and (p[0] > pooled).all()
+
+
+def test_adaptation_carries_from_one_call_to_the_next(target, baseline):
+    # the target as its own draft (every draft kept): a cold start learns that over its first rounds,
+    # a start from an earlier call's counts verifies wide at once
+    engine = specjax.Engine(target, draft=target, method="exact", k=K, max_new_tokens=NEW, costs=MIDDLE)
+    cold = engine.generate(PROMPTS[:1])
+    assert isinstance(cold.adaptation, loop.Adapt) and np.asarray(cold.adaptation.trials_LK).sum() > 0
+    warm = engine.generate(PROMPTS[:1], adaptation=engine.generate(PROMPTS).adaptation)  # any batch size
+    assert warm.tokens == cold.tokens == baseline[:1]
+    assert warm.stats["rounds"] < cold.stats["rounds"]
+    assert warm.stats["mean_width"] > cold.stats["mean_width"]
+    assert sum(warm.stats["widths"]) == warm.stats["rounds"]  # the widths are counted per call
+    again = engine.generate(PROMPTS[:1], adaptation=cold.adaptation)
+    assert again.tokens == cold.tokens and again.stats["rounds"] <= cold.stats["rounds"]
+
+
+def test_bad_adaptation_is_named(target):
+    adaptive = specjax.Engine(target, draft="pld", method="exact", k=K, max_new_tokens=NEW, costs=MIDDLE)
+    other_k = specjax.Engine(target, draft="pld", method="exact", k=4, max_new_tokens=NEW,
+                             costs=CostTable.from_ratios(4, {5: 2.0}))
+    with pytest.raises(ValueError, match=r"adaptation must be an Adapt of 4 drafter levels x K = 4"):
+        other_k.generate(PROMPTS[:1], adaptation=loop.Adapt.zeros(adaptive.drafter.levels, K))
+    with pytest.raises(ValueError, match="adaptation must be an Adapt"):
+        adaptive.generate(PROMPTS[:1], adaptation={"hits": [0.0]})
+    fixed = specjax.Engine(target, draft="pld", method="exact", k=K, max_new_tokens=NEW, adaptive=False)
+    with pytest.raises(ValueError, match="adaptation was given, but this engine does not adapt"):
+        fixed.generate(PROMPTS[:1], adaptation=loop.Adapt.zeros(adaptive.drafter.levels, K))
+    assert fixed.generate(PROMPTS[:1], adaptation=()).adaptation == ()  # an earlier output's (): nothing to carry
 
 
 def test_prompt_lookup_levels_are_the_length_of_the_match():

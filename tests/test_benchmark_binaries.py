@@ -91,9 +91,10 @@ def test_break_even_scripts_the_agreement_and_exact_keeps_the_target_tokens(tmp_
 
 @pytest.mark.heavy  # three runs of the binary, each compiling its programs: over a minute on a busy machine
 def test_benchmark_adaptive_writes_its_ledger_and_table_and_resumes(tmp_path):
-    """random:tiny, one HumanEval prompt, fixed K 1 and 2 with prompt lookup (adaptive too where
-    the Engine has it): a line per measurement and the table; a rerun measures nothing again, and
-    a run cut off (its last line gone) measures only what is missing."""
+    """random:tiny, two HumanEval prompts, fixed K 1 and 2 with prompt lookup (adaptive too where
+    the Engine has it): a line per measurement and the table; the adaptive row's second prompt
+    starts from the counts its first left; a rerun measures nothing again, and a run cut off (its
+    last line gone) measures only what is missing, from the same start."""
     import json
 
     from experiments import _adaptive_bench
@@ -101,7 +102,7 @@ def test_benchmark_adaptive_writes_its_ledger_and_table_and_resumes(tmp_path):
     adaptive = _adaptive_bench.has_adaptive()
     out_dir = tmp_path / "out"
     args = [sys.executable, str(EXP / "benchmark_adaptive.py"), "--model=random:tiny", "--drafts=pld",
-            "--methods=exact", "--ks=1,2", "--num_humaneval=1", "--num_mtbench=0", "--max_new_tokens=8",
+            "--methods=exact", "--ks=1,2", "--num_humaneval=2", "--num_mtbench=0", "--max_new_tokens=8",
             f"--output_dir={out_dir}", "--adaptive" if adaptive else "--noadaptive"]
 
     def run():
@@ -113,17 +114,22 @@ def test_benchmark_adaptive_writes_its_ledger_and_table_and_resumes(tmp_path):
     configs = [json.loads(line)["config"] for line in lines]
     want = ["target-only", "exact|pld|k=1|fixed", "exact|pld|k=2|fixed"]
     want += ["exact|pld|k=2|adaptive"] if adaptive else []
-    assert configs == want
+    assert configs == want * 2
     first = json.loads(lines[1])
     assert first["tokens"] == 8 and first["tokens_per_s"] > 0 and first["dataset"] == "humaneval"
     assert first["model"] == "random:tiny" and ("AVX" in first["machine"] or "cores" in first["machine"])
     table = (out_dir / "table.md").read_text()
     assert table in out.stdout + "\n" or table.strip() in out.stdout
-    assert "| exact | pld | 2 | fixed | 1 |" in table and "## HumanEval" in table and "## MT-Bench" not in table
+    assert "| exact | pld | 2 | fixed | 2 |" in table and "## HumanEval" in table and "## MT-Bench" not in table
     assert ("## A round with nothing proposed" in table) and (("target steps" in table) == adaptive)
+    if adaptive and _adaptive_bench.carries_adaptation():
+        mine = [json.loads(l) for l in lines if json.loads(l)["config"].endswith("|adaptive")]
+        assert [(m["index"], m["warm_start"]) for m in mine] == [(0, False), (1, True)]
+        assert all(len(m["adaptation"]["hits"]) == 4 for m in mine)  # prompt lookup's 4 levels
     (out_dir / "measurements.jsonl").write_text("\n".join(lines[:-1]) + "\n")
     _, resumed = run()  # the others are not measured again
     assert resumed[:-1] == lines[:-1] and json.loads(resumed[-1])["config"] == configs[-1]
+    assert json.loads(resumed[-1]).get("warm_start", True)  # resumed from the ledger's earlier line
 
 
 def test_benchmark_adaptive_table_medians_best_fixed_k_and_verdicts():
