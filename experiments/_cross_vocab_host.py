@@ -21,11 +21,13 @@ Exactly, per round:
 
 `transformers_tau`: transformers' assisted generation with `assistant_tokenizer=` (its universal
 assisted decoding, which also re-tokenizes text every round), greedy, a constant K; its tau counts the
-target's forward calls.
+target's forward calls. One fix to transformers (5.x) while it runs: the rollback of the assistant's KV
+cache (see `_uag_cache_fix`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import numpy as np
@@ -164,6 +166,54 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+@contextlib.contextmanager
+def _uag_cache_fix():
+    """Fixes the assistant's KV-cache rollback in transformers' universal assisted generation (5.x), for
+    the calls made inside.
+
+    The bug (transformers 5.25, generation/candidate_generator.py): since the cache's `crop(n)` removes n
+    tokens (it used to keep n), `AssistedCandidateGenerator._update_past_and_masks` removes
+    `self._last_ids_length - input_ids.shape[-1] + num_extra_tokens_to_remove` tokens, where
+    `_last_ids_length` is the last round's sequence length; but
+    `AssistedCandidateGeneratorDifferentTokenizers.get_candidates` sets `_last_ids_length` to a length in
+    the TARGET's tokens (`input_ids.shape[-1]` or `new_target_ids.shape[-1]`) and passes the ASSISTANT's
+    re-tokenized ids as `input_ids`. When the assistant's tokenizer needs more tokens than the target's
+    (SmolLM2's for Qwen2.5's prompts: 175 for 167), the count is negative and nothing is removed: the
+    assistant's cache keeps its rejected drafts (stale keys at positions that now hold other tokens) and
+    outgrows its input, until `generate` is left no token to feed ("cannot reshape tensor of 0 elements
+    into shape [1, 0, -1, 64]").
+
+    The fix crops the cache to the longest prefix it shares with the round's assistant ids (at most all
+    but the last, which `generate` feeds): what a correct cache holds, so the drafts are those of the
+    same algorithm without a cache. Everything else (re-tokenizing, lookbehind windows, the alignment of
+    old and new ids, the target's verification) is transformers' own."""
+    from transformers.generation.candidate_generator import AssistedCandidateGeneratorDifferentTokenizers as UAG
+
+    get_candidates, update = UAG.get_candidates, UAG._update_past_and_masks
+
+    def patched_get_candidates(self, input_ids, **kwargs):
+        out = get_candidates(self, input_ids, **kwargs)
+        # the ids whose keys the cache holds (copied: transformers edits prev_assistant_ids in place)
+        self._cached_assistant_ids = self.prev_assistant_ids[0].tolist()
+        return out
+
+    def patched_update(self, input_ids, num_extra_tokens_to_remove=0):
+        cache = self.assistant_kwargs.get("cache", None)
+        if cache is None:
+            return False
+        cached = self._cached_assistant_ids[:cache.get_seq_length()]
+        keep = min(_common_prefix(cached, input_ids[0].tolist()), input_ids.shape[-1] - 1)
+        if keep < len(cached):
+            cache.crop(keep - len(cached))  # a negative count: the tokens to remove
+        return True  # the attention mask and position ids: get_candidates drops them (the assistant's own)
+
+    UAG.get_candidates, UAG._update_past_and_masks = patched_get_candidates, patched_update
+    try:
+        yield
+    finally:
+        UAG.get_candidates, UAG._update_past_and_masks = get_candidates, update
+
+
 def transformers_tau(target_gguf, draft_gguf, k: int, max_new_tokens: int):
     """A function of one prompt (target ids) -> (the new ids, tau = new tokens / the target's forward
     calls) of transformers' assisted generation with a draft of another tokenizer, greedy, K constant;
@@ -191,7 +241,7 @@ def transformers_tau(target_gguf, draft_gguf, k: int, max_new_tokens: int):
     def run(ids: Sequence[int]) -> tuple[list[int], float]:
         calls[0] = 0
         x = torch.tensor([list(ids)])
-        with torch.no_grad():
+        with torch.no_grad(), _uag_cache_fix():
             y = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=draft, tokenizer=t_tok,
                                 assistant_tokenizer=d_tok, max_new_tokens=max_new_tokens, do_sample=False)
         new = y[0, x.shape[1]:].tolist()
