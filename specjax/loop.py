@@ -164,8 +164,12 @@ class Output:
     num_out_B: jax.Array  # int32[B]: new tokens of row b are seq_BS[b, prompt_len_B[b]:][:num_out_B[b]]
     counters: Counters
     rule_state: Any  # the rule's final state, to carry into the next call
-    widths_W: Any = ()  # int32[K + 2]: rounds per verified width (adaptive programs), else ()
     adapt: Any = ()  # the policy's final Adapt (adaptive programs), to start the next call from, else ()
+
+    @property
+    def widths_W(self) -> Any:
+        """int32[K + 2]: rounds per verified width (adaptive programs), else ()."""
+        return self.adapt.widths_W if isinstance(self.adapt, Adapt) else ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,8 +241,7 @@ class Program:
             body = functools.partial(self.speculative_round, params)
         state = jax.lax.while_loop(lambda st: ~jnp.all(st.done_B), body, state)
         out = Output(seq_BS=state.seq_BS, num_out_B=state.num_out_B, counters=state.counters,
-                     rule_state=state.rule_state, widths_W=state.adapt.widths_W if self.adapts else (),
-                     adapt=state.adapt)
+                     rule_state=state.rule_state, adapt=state.adapt)
         # replicated outputs: every process of a multi-process run reads them
         return out if self.layout is None else jax.lax.with_sharding_constraint(out, self.layout.replicated)
 
