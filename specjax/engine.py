@@ -342,12 +342,13 @@ class Engine:
 
 def _adaptation(program: loop.Program, given):
     """The adaptive program's starting counts as host arrays (none given: zeros, so that a fresh and
-    a carried start share one compiled program), checked; () for a program that does not adapt."""
+    a carried start share one compiled program), checked; () for a program that does not adapt.
+    Built with numpy: zeros made by jnp would be device launches outside the one program."""
     if not program.adapts:
         if given is not None and jax.tree.leaves(given):
             raise ValueError("adaptation was given, but this engine does not adapt (draft=None or adaptive=False)")
         return ()
-    return jax.device_get(program.initial_adapt(() if given is None else given))
+    return program.initial_adapt(() if given is None else jax.device_get(given), xp=np)
 
 
 def _prepare_models(mesh_config: sharding.MeshConfig, target, draft):

@@ -99,9 +99,10 @@ class Adapt:
     widths_W: jax.Array  # int32[K + 2]: rounds per verified width (index = width; 1 = plain step)
 
     @classmethod
-    def zeros(cls, levels: int, K: int) -> "Adapt":
-        z = jnp.zeros((levels, K), jnp.float32)
-        return cls(hits_LK=z, trials_LK=z, widths_W=jnp.zeros((K + 2,), jnp.int32))
+    def zeros(cls, levels: int, K: int, xp=jnp) -> "Adapt":
+        """xp=np builds host arrays (an input made without launching anything on the device)."""
+        z = xp.zeros((levels, K), xp.float32)
+        return cls(hits_LK=z, trials_LK=z, widths_W=xp.zeros((K + 2,), xp.int32))
 
 
 def acceptance(adapt: Adapt) -> jax.Array:
@@ -299,9 +300,10 @@ class Program:
         state, _ = self.commit(state, first_B[:, None], jnp.ones((B,), jnp.int32), jnp.zeros((B,), jnp.int32))
         return state
 
-    def initial_adapt(self, adaptation) -> Adapt:
-        """The policy's starting counts: none, or `adaptation`'s (`run`), checked against this program."""
-        fresh = Adapt.zeros(self.drafter.levels, self.k)
+    def initial_adapt(self, adaptation, xp=jnp) -> Adapt:
+        """The policy's starting counts: none, or `adaptation`'s (`run`), checked against this program
+        (xp=np: as host arrays, for the program's input)."""
+        fresh = Adapt.zeros(self.drafter.levels, self.k, xp)
         if isinstance(adaptation, tuple) and not adaptation:
             return fresh
         shapes = {jnp.shape(adaptation.hits_LK), jnp.shape(adaptation.trials_LK)} if isinstance(
@@ -311,8 +313,8 @@ class Program:
                              f"{self.k} positions (an earlier output's, of the same drafter and k), got "
                              f"{' and '.join(map(str, sorted(shapes, key=str)))}")
         # the counts carry on; the widths are counted per call
-        return fresh.replace(hits_LK=jnp.asarray(adaptation.hits_LK, jnp.float32),
-                             trials_LK=jnp.asarray(adaptation.trials_LK, jnp.float32))
+        return fresh.replace(hits_LK=xp.asarray(adaptation.hits_LK, xp.float32),
+                             trials_LK=xp.asarray(adaptation.trials_LK, xp.float32))
 
     def target_only_round(self, params: Params, state: LoopState) -> LoopState:
         """Autoregressive baseline: score the pending token, emit the next one."""
