@@ -20,9 +20,8 @@ The default request is an edit (fix the spelling in a paragraph given in the pro
 reuses much of its input, which is where prompt lookup pays, and the kind of request
 speculation is for (editing, refactoring, summarizing code or documents). On a free chat
 question the lookup rarely finds anything to copy; there a fixed K pays for drafts that are
-rarely kept, and the adaptive loop narrows to plain steps but still pays a little for its rounds:
-0.95x target-only on one such question (tau 1.04), where the edit gets 1.36-1.44x (two runs on a
-2-core Xeon, 2026-12-05).
+rarely kept, and the adaptive loop narrows to plain steps: 1.05x target-only on one such question
+(tau 1.09), where the edit gets 1.21-1.33x (tau 2.05, four runs on a 2-core Xeon, 2026-12-05).
 """
 
 from __future__ import annotations
