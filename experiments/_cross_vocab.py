@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specjax import vocab_bridge
+from specjax import pretokenize, vocab_bridge
 
 
 
@@ -43,13 +43,18 @@ def retokenize(src_tok, dst_tok, ids: Sequence[int], *, context: Sequence[int] =
     return out if cap is None else out[:cap]
 
 
-def greedy_longest_match(dst_tok, data: bytes, *, max_len: int = 32) -> list[int]:
-    """The longest vocabulary entry at each position, left to right (entries up to `max_len` bytes):
-    what a device re-segmentation through a sorted hash of byte prefixes would compute."""
+def greedy_longest_match(dst_tok, data: bytes, *, max_len: int = 32, pieces: str = "none") -> list[int]:
+    """The longest vocabulary entry at each position, left to right (entries up to `max_len` bytes),
+    within the pieces of the pre-tokenizer `pieces` (`specjax.pretokenize.KINDS`; each measured from
+    its start in a window of max_len + 4 bytes and cut at max_len): what `vocab_bridge.resegment`
+    computes on the device, written plainly."""
     table = _bytes_index(dst_tok, max_len)
-    out, i = [], 0
+    out, i, end = [], 0, 0
     while i < len(data):
-        for k in range(min(max_len, len(data) - i), 0, -1):
+        if i >= end:  # "none": one piece, the whole text
+            end = len(data) if pieces == "none" else i + min(
+                pretokenize.pieces_host(data[i: i + max_len + 4], pieces)[0], max_len)
+        for k in range(min(max_len, end - i), 0, -1):
             tid = table.get(data[i:i + k])
             if tid is not None:
                 out.append(tid)
@@ -96,7 +101,9 @@ def measure(src_tok, dst_tok, texts: Sequence[str]) -> dict[str, dict[str, float
     dst_bytes = vocab_bridge.token_bytes(dst_tok)
     algos = {
         "per-token table": lambda ids, data: vocab_bridge.translate_host(ids, table, lens),
-        "greedy longest match (default)": lambda ids, data: greedy_longest_match(dst_tok, data),
+        "greedy longest match, across pieces": lambda ids, data: greedy_longest_match(dst_tok, data),
+        "greedy longest match in pieces (default)":
+            lambda ids, data: greedy_longest_match(dst_tok, data, pieces=pretokenize.kind_of(dst_tok)),
         "re-tokenize text (FLy, host)": lambda ids, data: retokenize(src_tok, dst_tok, ids),
     }
     sums = {name: [0, 0, 0, 0, 0] for name in algos}

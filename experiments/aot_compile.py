@@ -90,11 +90,19 @@ def _draft(spec: str, target, dtype):
     multi = spec.startswith("pld+")
     draft = _abstract(spec[4:] if multi else spec, dtype)
     if _CROSS.value:  # translated on the device: both vocabularies known by their sizes only
-        draft = draft.with_params(draft.params, tokenizer=vocab_bridge.AbstractVocab(draft.config.vocab_size,
-                                                                                      _TOKEN_BYTES.value))
+        draft = draft.with_params(draft.params, tokenizer=vocab_bridge.AbstractVocab(
+            draft.config.vocab_size, _TOKEN_BYTES.value, _pieces(spec)))
     elif draft.config.vocab_size < target.config.vocab_size:
         draft = models.pad_vocab(draft, target.config.vocab_size)
     return (("pld", draft) if multi else draft), spec
+
+
+def _pieces(name: str) -> str:
+    """The pre-tokenizer of a preset's family (`specjax.pretokenize.KINDS`), for its abstract vocabulary."""
+    for family, kind in (("qwen", "qwen2"), ("llama-3", "llama3"), ("smollm", "gpt2-digits")):
+        if family in name.lower():
+            return kind
+    return "none"
 
 
 def _gib(n: int) -> str:
@@ -122,7 +130,7 @@ def main(argv):
         target = _abstract(_MODEL.value, dtype)
         if _CROSS.value:
             target = target.with_params(target.params, tokenizer=vocab_bridge.AbstractVocab(
-                target.config.vocab_size, _TOKEN_BYTES.value))
+                target.config.vocab_size, _TOKEN_BYTES.value, _pieces(_MODEL.value)))
         draft, draft_name = _draft(_DRAFT.value, target, dtype)
     except (ValueError, KeyError) as e:
         sys.exit(f"error: {e}")

@@ -15,30 +15,33 @@ Both return the ids (0 past the count), the count, and how many source tokens we
 text), so a translation's bytes are always the source tokens' bytes.
 
 - `"greedy"` (the default): the source tokens' bytes go into one buffer, which is re-cut left to
-  right into the longest destination tokens of at most `match_len` (32) bytes. Each of the C output
-  steps hashes every prefix of the next 32 bytes, finds the hashes with `jnp.searchsorted` in a
-  sorted table of the destination's token hashes, checks the candidates byte by byte (so a hash
-  collision can only cost a shorter match, never wrong bytes), and emits the longest match. Tables:
-  both vocabularies' token bytes (uint8, widest token wide) and hashes: 25.4 MiB for
+  right into the longest destination tokens of at most `match_len` (32) bytes that stay inside one
+  piece of the destination's pre-tokenizer (`specjax.pretokenize`; no pieces for one it does not
+  know). Each of the C output steps hashes every prefix of the next 32 bytes, finds the hashes with
+  `jnp.searchsorted` in a sorted table of the destination's token hashes, checks the candidates byte
+  by byte (so a hash collision can only cost a shorter match, never wrong bytes), and emits the
+  longest match that ends inside the piece. Tables: both vocabularies' token bytes (uint8, widest
+  token wide) and hashes, and a class per character of the Basic Multilingual Plane: 25.5 MiB for
   SmolLM2 <-> Qwen2.5 (the table: 17.4 MiB).
 - `"table"`: row v of a per-token table holds the destination's canonical encoding of source token
   v's bytes alone (its pre-tokenizer and BPE, no normalizer); a row of ids becomes the
   concatenation of its rows (a gather, a cumsum, one scatter). Cheaper, no loop: on CPU 0.1 ms
   per batch of 8 rows where greedy's K sequential steps take 1.6 ms (same results file).
 
-Why greedy: measured on the real tokenizers (SmolLM2-135M <-> Qwen2.5-Coder, 164 HumanEval
+Why greedy in pieces: measured on the real tokenizers (SmolLM2-135M <-> Qwen2.5-Coder, 164 HumanEval
 prompts, the same with their solutions, 80 MT-Bench questions; experiments/results/vocab_bridge.md,
-`python -m experiments.cross_vocab_reference`), the share of translated tokens that are the target's
-own canonical token at the same byte span is 0.80-0.82 (code) and 0.96 (prose) for greedy against
-0.74-0.77 and 0.91 for the table, and greedy emits 1.00 tokens per canonical token against 1.12-1.14
-for the table on code (the table cannot merge across the draft's token boundaries, so a K-token
-proposal carries 12 % fewer bytes). Neither reaches the host's re-tokenizing of the text (FLy's
-way, 1.0 by construction): greedy takes the longest entry where BPE's merge order may not.
+`python -m experiments.cross_vocab_reference`), the share of translated tokens that are the
+destination's own canonical token at the same byte span is 0.97-0.98 (code) and 0.96-0.97 (prose)
+in pieces, against 0.80-0.84 and 0.96 across pieces and 0.74-0.84 and 0.91-0.96 for the table (the
+table cannot merge across the draft's token boundaries, so a K-token proposal carries 12 % fewer
+bytes on code). None reaches the host's re-tokenizing of the text (FLy's way, 1.0 by construction):
+inside a piece greedy takes the longest entry where BPE's merge order may not.
 
 **What does not map one to one, and what we do:**
 
 - *BPE merges across token boundaries.* "greedy" re-cuts the bytes, so the target's token that spans
-  two draft tokens is found when it is the longest match; "table" keeps the draft's boundaries.
+  two draft tokens is found when it is the longest match inside its piece; "table" keeps the draft's
+  boundaries.
   Either way a non-canonical segmentation only lowers acceptance: exact verification compares the
   target's own choices, whatever ids are proposed.
 - *Partial UTF-8.* Byte-level tokens may end mid-character. Both algorithms work on bytes, never on
@@ -85,6 +88,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from specjax import pretokenize
 
 UNMAPPED = -1  # row length of a special token with no counterpart: a translation stops before it
 
@@ -186,10 +191,12 @@ class AbstractVocab:
     (`models.abstract`): `build_bridge` of two of them gives tables of `jax.ShapeDtypeStruct`s of
     the real sizes, for planning and ahead-of-time compilation (no tokenizer files at hand).
 
-    width: the longest token in bytes (Qwen2.5's and SmolLM2's: 128 and 81)."""
+    width: the longest token in bytes (Qwen2.5's and SmolLM2's: 128 and 81).
+    pieces: its pre-tokenizer (`specjax.pretokenize.KINDS`; Llama 3's by default)."""
 
     vocab_size: int
     width: int = 128
+    pieces: str = "llama3"
 
 
 def check_bridgeable(target_tok, draft_tok, *, target_name: str = "target", draft_name: str = "draft") -> None:
@@ -238,6 +245,9 @@ class Bridge:
     """
     algorithm: str = struct.field(pytree_node=False, default="greedy")
     match_len: int = struct.field(pytree_node=False, default=32)
+    target_pieces: str = struct.field(pytree_node=False, default="none")  # pretokenize.KINDS: the
+    draft_pieces: str = struct.field(pytree_node=False, default="none")   # re-cut stays inside these pieces
+    char_class_U: jax.Array | None = None       # uint8[65536] pretokenize.char_classes(); None: no pieces
     d2t_ids_VdxW: jax.Array | None = None   # int32: target ids of each draft token's bytes, 0-padded
     d2t_len_Vd: jax.Array | None = None     # int32: row lengths; UNMAPPED: a special with no counterpart
     t2d_ids_VtxW: jax.Array | None = None
@@ -348,15 +358,20 @@ def _special_map(src_tok, dst_tok) -> np.ndarray:
 
 
 def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_name: str = "draft",
-                 algorithm: str = "greedy", match_len: int = 32, cache: bool = True) -> Bridge:
+                 algorithm: str = "greedy", match_len: int = 32, cache: bool = True,
+                 pieces: bool = True) -> Bridge:
     """Host, once: check both tokenizers and build the device tables of `algorithm`.
+
+    pieces: "greedy" re-cuts within the destination's pre-tokenizer pieces where that pre-tokenizer
+    is one `specjax.pretokenize` knows (False: across them, the whole buffer one piece; for
+    ablations).
 
     cache: keep the tables on disk under `specjax.models.presets.cache_dir()`/vocab_bridge, keyed
     by both tokenizers' serialized state (`cache_path`): a later Engine of the same pair reads them
     (about 0.1 s for SmolLM2 -> Qwen2.5, against about a second to build them)."""
     check_bridgeable(target_tok, draft_tok, target_name=target_name, draft_name=draft_name)
     if isinstance(target_tok, AbstractVocab) or isinstance(draft_tok, AbstractVocab):
-        return abstract_bridge(target_tok, draft_tok, algorithm=algorithm, match_len=match_len)
+        return abstract_bridge(target_tok, draft_tok, algorithm=algorithm, match_len=match_len, pieces=pieces)
     if algorithm not in ("greedy", "table"):
         raise ValueError(f"unknown translation algorithm {algorithm!r} (greedy, table)")
     if algorithm == "greedy" and not 1 <= match_len <= 256:
@@ -367,7 +382,18 @@ def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_na
         arrays = _build_arrays(target_tok, draft_tok, algorithm, match_len)
         if path is not None:
             _write_tables(path, arrays)
-    return Bridge(algorithm=algorithm, match_len=match_len, **{k: jnp.asarray(v) for k, v in arrays.items()})
+    kinds = _piece_kinds(algorithm, pieces, pretokenize.kind_of(target_tok), pretokenize.kind_of(draft_tok))
+    return Bridge(algorithm=algorithm, match_len=match_len, **kinds,
+                  **{k: jnp.asarray(v) for k, v in arrays.items()})
+
+
+def _piece_kinds(algorithm: str, pieces: bool, target: str, draft: str, *, abstract: bool = False) -> dict:
+    """Bridge fields of the pre-tokenizer pieces ("table" keeps the draft's own boundaries: none)."""
+    if algorithm != "greedy" or not pieces or (target, draft) == ("none", "none"):
+        return {}
+    table = (jax.ShapeDtypeStruct((1 << 16,), jnp.uint8) if abstract
+             else jnp.asarray(pretokenize.char_classes()))
+    return dict(target_pieces=target, draft_pieces=draft, char_class_U=table)
 
 
 def _build_arrays(target_tok, draft_tok, algorithm: str, match_len: int) -> dict[str, np.ndarray]:
@@ -460,7 +486,7 @@ def _read_tables(path, algorithm: str, Vt: int, Vd: int) -> dict[str, np.ndarray
 
 
 def abstract_bridge(target: AbstractVocab, draft: AbstractVocab, *, algorithm: str = "greedy",
-                    match_len: int = 32) -> Bridge:
+                    match_len: int = 32, pieces: bool = True) -> Bridge:
     """The tables' shapes for two vocabularies of these sizes (every token hashed: an upper bound)."""
     if not (isinstance(target, AbstractVocab) and isinstance(draft, AbstractVocab)):
         raise ValueError("an abstract bridge needs two AbstractVocab sizes (one real tokenizer and one "
@@ -471,6 +497,7 @@ def abstract_bridge(target: AbstractVocab, draft: AbstractVocab, *, algorithm: s
         return Bridge(algorithm="table", d2t_ids_VdxW=sds((Vd, draft.width), jnp.int32), d2t_len_Vd=sds((Vd,), jnp.int32),
                       t2d_ids_VtxW=sds((Vt, target.width), jnp.int32), t2d_len_Vt=sds((Vt,), jnp.int32))
     return Bridge(algorithm="greedy", match_len=match_len,
+                  **_piece_kinds(algorithm, pieces, target.pieces, draft.pieces, abstract=True),
                   draft_bytes_VdxB=sds((Vd, draft.width), jnp.uint8), draft_nb_Vd=sds((Vd,), jnp.int32),
                   target_bytes_VtxB=sds((Vt, target.width), jnp.uint8), target_nb_Vt=sds((Vt,), jnp.int32),
                   draft_hash_H=sds((Vd,), jnp.uint32), draft_hash_id_H=sds((Vd,), jnp.int32),
@@ -508,9 +535,11 @@ def translate(ids_N: jax.Array, n: jax.Array, table_VxW: jax.Array, len_V: jax.A
 
 def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_special_V,
               dst_hash_H, dst_hash_id_H, dst_bytes_VxB, dst_nb_V, cap: int,
-              match_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+              match_len: int, pieces: str = "none", class_U=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One row, greedy longest match: the bytes of the first `n` source tokens, re-cut left to right
     into the longest destination tokens (of at most `match_len` bytes) -> (out_C, count, consumed).
+    With `pieces` (the destination's pre-tokenizer, `pretokenize.KINDS`) and `class_U`, no token
+    crosses a piece boundary: the pieces are measured from the bytes as the cut goes.
 
     The bytes go into one buffer (a special token is one marker slot); each of the (at most `cap`) steps
     hashes every prefix of the next `match_len` bytes, looks the hashes up with `searchsorted`,
@@ -531,17 +560,24 @@ def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_speci
                         src_bytes_VxB[ids_N].astype(jnp.int32))
     pos_NxB = (end_N - nb_N)[:, None] + jnp.arange(B)[None, :]
     pos_NxB = jnp.where(jnp.arange(B)[None, :] < nb_N[:, None], pos_NxB, N * B)
-    buf_S = jnp.full((N * B + L,), -1, jnp.int32).at[pos_NxB.reshape(-1)].set(val_NxB.reshape(-1), mode="drop")
+    P = L + 4  # a piece is measured in a window of L bytes and looks up to 4 past its start
+    buf_S = jnp.full((N * B + P,), -1, jnp.int32).at[pos_NxB.reshape(-1)].set(val_NxB.reshape(-1), mode="drop")
+    cls_S = None if pieces == "none" else pretokenize.byte_classes(buf_S, class_U)
     pow_L = jnp.asarray([pow(_HASH_MUL, j, 1 << 32) for j in range(L)], jnp.uint32)
     len_L = jnp.arange(1, L + 1)
 
     def more(carry):  # under vmap: until every row is done or stopped
-        t, pos, count, stopped, out_C = carry
+        t, pos, count, stopped, out_C, piece_end = carry
         return (t < cap) & (pos < total) & ~stopped
 
     def step(carry):
-        t, pos, count, _, out_C = carry
+        t, pos, count, _, out_C, piece_end = carry
         win_L = jax.lax.dynamic_slice(buf_S, (pos,), (L,))
+        if cls_S is not None:  # a new piece starts where the last one ended
+            fresh = pos >= piece_end
+            length = pretokenize.piece_len(jax.lax.dynamic_slice(buf_S, (pos,), (P,)),
+                                           jax.lax.dynamic_slice(cls_S, (pos,), (P,)), pieces)
+            piece_end = jnp.where(fresh, pos + jnp.minimum(length, L), piece_end)
         plain_L = jnp.cumprod(((win_L >= 0) & (win_L < 256)).astype(jnp.int32)).astype(bool)
         h_L = jnp.cumsum((win_L.astype(jnp.uint32) + jnp.uint32(1)) * pow_L, dtype=jnp.uint32)
         at_L = jnp.clip(jnp.searchsorted(dst_hash_H, h_L), 0, dst_hash_H.shape[0] - 1)
@@ -549,17 +585,21 @@ def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_speci
         cand_bytes_LxM = dst_bytes_VxB[cand_L, :M].astype(jnp.int32)
         same_LxM = (cand_bytes_LxM == win_L[None, :M]) | (jnp.arange(M)[None, :] >= len_L[:, None])
         hit_L = plain_L & (dst_hash_H[at_L] == h_L) & (dst_nb_V[cand_L] == len_L) & same_LxM.all(axis=1)
+        if cls_S is not None:
+            hit_L = hit_L & (len_L <= piece_end - pos)
         best = jnp.max(jnp.where(hit_L, len_L, 0))
         special = win_L[0] >= 256
         tok = jnp.where(special, win_L[0] - 256, cand_L[jnp.maximum(best - 1, 0)])
         step_len = jnp.where(special, 1, best)
         active = (pos < total) & (step_len > 0)  # no match: a byte the destination lacks; stop there
         out_C = out_C.at[t].set(jnp.where(active, tok, 0))
-        return (t + 1, pos + jnp.where(active, step_len, 0), count + active.astype(jnp.int32), ~active, out_C)
+        return (t + 1, pos + jnp.where(active, step_len, 0), count + active.astype(jnp.int32), ~active, out_C,
+                piece_end)
 
     # a while_loop, not cap fixed steps: a long cap (a whole prompt) costs only what its bytes need
-    _, pos, count, _, out_C = jax.lax.while_loop(
-        more, step, (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.bool_(False), jnp.zeros((cap,), jnp.int32)))
+    _, pos, count, _, out_C, _ = jax.lax.while_loop(
+        more, step, (jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.bool_(False), jnp.zeros((cap,), jnp.int32),
+                     jnp.int32(0)))
     consumed = jnp.sum(live_N & (end_N <= pos)).astype(jnp.int32)
     return out_C, count, consumed
 
@@ -570,7 +610,7 @@ def draft_to_target(bridge: Bridge, draft_ids_K: jax.Array, n: jax.Array, K: int
         return translate(draft_ids_K, n, bridge.d2t_ids_VdxW, bridge.d2t_len_Vd, K)
     return resegment(draft_ids_K, n, bridge.draft_bytes_VdxB, bridge.draft_nb_Vd, bridge.d2t_special_Vd,
                      bridge.target_hash_H, bridge.target_hash_id_H, bridge.target_bytes_VtxB,
-                     bridge.target_nb_Vt, K, bridge.match_len)
+                     bridge.target_nb_Vt, K, bridge.match_len, bridge.target_pieces, bridge.char_class_U)
 
 
 def target_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: int):
@@ -584,7 +624,7 @@ def target_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: 
         return translate(target_ids_N, n, bridge.t2d_ids_VtxW, bridge.t2d_len_Vt, cap)
     return resegment(target_ids_N, n, bridge.target_bytes_VtxB, bridge.target_nb_Vt, bridge.t2d_special_Vt,
                      bridge.draft_hash_H, bridge.draft_hash_id_H, bridge.draft_bytes_VdxB,
-                     bridge.draft_nb_Vd, cap, bridge.match_len)
+                     bridge.draft_nb_Vd, cap, bridge.match_len, bridge.draft_pieces, bridge.char_class_U)
 
 
 def sync_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: int):

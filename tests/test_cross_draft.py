@@ -186,7 +186,8 @@ def test_abstract_vocabularies_lower_a_program_and_count_the_tables():
     engine = specjax.Engine(target, draft=draft, method="fly", k=4, max_new_tokens=8)
     assert isinstance(engine.drafter, cross_draft.CrossVocabDrafter)
     # bytes tables V x width (uint8) + 5 int32/uint32 arrays of V per side (counts, 2 hash arrays, special map)
-    assert aot.bridge_bytes(engine) == 600 * 20 + 400 * 12 + 4 * 4 * (600 + 400)
+    # + the character classes of the pre-tokenizer pieces (uint8 per code point of the BMP)
+    assert aot.bridge_bytes(engine) == 600 * 20 + 400 * 12 + 4 * 4 * (600 + 400) + 65536
     assert "while" in engine.lower([[1, 2, 3], [4, 5]]).as_text()
     with pytest.raises(ValueError, match="two AbstractVocab"):
         vb.abstract_bridge(vb.AbstractVocab(600), None)
