@@ -64,6 +64,8 @@ class CrossState:
     dseq_BSd: jax.Array  # int32[B, Sd]: the committed text in draft ids (its first d_len_B[b] entries)
     t_sync_B: jax.Array  # int32[B]: target tokens of seq_BS translated into dseq so far
     d_len_B: jax.Array  # int32[B]: draft ids they became; the cache holds positions < d_len_B
+    t_tail_B: jax.Array  # int32[B]: the next sync re-translates from this target token (the seam's tail) ...
+    d_tail_B: jax.Array  # int32[B]: ... writing from this draft position
     prop_BD: jax.Array  # int32[B, Kd]: the last proposal's draft ids; slots < Kd - 1 are cached at d_len_B + slot
 
 
@@ -139,7 +141,7 @@ class CrossVocabDrafter:
         cache = jax.eval_shape(lambda: llama.init_cache(self.config, batch, Sd, self.dtype))
         leaves = jax.tree.leaves(cache) + [jax.ShapeDtypeStruct((batch, Sd), jnp.int32),
                                            jax.ShapeDtypeStruct((batch, self.kd), jnp.int32)] + [
-            jax.ShapeDtypeStruct((batch,), jnp.int32)] * 2
+            jax.ShapeDtypeStruct((batch,), jnp.int32)] * 4
         return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
     # -- Drafter ---------------------------------------------------------------------------
@@ -153,18 +155,19 @@ class CrossVocabDrafter:
         Sd = self.draft_len(max_len)
         if draft_prompt_BT is None:
             C0 = min(Sd, math.ceil(self.prompt_ratio * T))
-            ids_BC, count_B, adv_B = jax.vmap(vocab_bridge.sync_to_draft, in_axes=(None, 0, 0, None))(
-                bridge, prompt_BT, prompt_len_B, C0)
-        else:  # the whole target prompt counts as translated: the rounds sync from its end
+            ids_BC, count_B, adv_B, tail_t_B, tail_d_B = jax.vmap(
+                lambda i, n: vocab_bridge.sync_to_draft(bridge, i, n, C0, with_tail=True))(prompt_BT, prompt_len_B)
+        else:  # the whole target prompt counts as translated: the rounds sync from its end (no seam)
             C0 = min(Sd, draft_prompt_BT.shape[1])
             ids_BC, count_B, adv_B = draft_prompt_BT[:, :C0], jnp.minimum(draft_prompt_len_B, C0), prompt_len_B
+            tail_t_B, tail_d_B = adv_B, count_B
         dseq_BSd = jnp.zeros((B, Sd), jnp.int32).at[:, :C0].set(ids_BC)
         cache = llama.init_cache(self.config, B, Sd, self.dtype)
         # the whole translated prompt into the cache (positions past count_B are stale: masked later)
         _, cache = llama.forward_cached(self.config, model_params, ids_BC, cache, dtype=self.dtype,
                                         select_BJ=jnp.maximum(count_B - 1, 0)[:, None], backend=backend)
         return CrossState(cache=cache._replace(lengths=count_B), dseq_BSd=dseq_BSd, t_sync_B=adv_B, d_len_B=count_B,
-                          prop_BD=jnp.full((B, self.kd), -1, jnp.int32))  # -1: no proposal yet, no id agrees
+                          t_tail_B=tail_t_B, d_tail_B=tail_d_B, prop_BD=jnp.full((B, self.kd), -1, jnp.int32))  # -1: no proposal yet, no id agrees
 
     def observe(self, state, features_BRD, base_B):
         return state
@@ -175,7 +178,7 @@ class CrossVocabDrafter:
         Sd = state.dseq_BSd.shape[1]
         K, Kd = self.k, self.kd
         old_len_B = state.d_len_B
-        state = self.sync(bridge, state, seq_BS, lengths_B + 1)  # seq_BS[b, :L + 1] is committed
+        state, same_B = self.sync(bridge, state, seq_BS, lengths_B + 1)  # seq_BS[b, :L + 1] is committed
         caught_up_B = state.t_sync_B == lengths_B + 1
         d_len_B = state.d_len_B
         # the lookup's proposal (target ids) in draft ids, fed after the context in the same forward
@@ -191,7 +194,8 @@ class CrossVocabDrafter:
         # lacks: the last proposal's ids are cached from old_len on, so the new ids that repeat them (the
         # accepted part, when the round trip through the target's ids gives the draft's own ids back)
         # need no recomputing, and a round usually feeds two ids, as a same-vocabulary draft does
-        p0_B = jnp.maximum(old_len_B + self.agreed(state, old_len_B, Sd) - 1, 0)
+        # (where the re-translated seam changed ids the cache holds, from the first changed one)
+        p0_B = jnp.maximum(jnp.where(same_B < old_len_B, same_B, old_len_B + self.agreed(state, old_len_B, Sd)) - 1, 0)
         W = self.cap + 1 + Kp
         t_BJ, cache = self.feed(model_params, state, p0_B, d_len_B, pd_BP, W, backend)
         j_D = jnp.arange(Kd)
@@ -224,19 +228,31 @@ class CrossVocabDrafter:
         m_B = jnp.sum(jnp.cumprod(same_BD, axis=1), axis=1).astype(jnp.int32)
         return jnp.where(old_len_B + Kd <= Sd, m_B, 0)
 
-    def sync(self, bridge, state: CrossState, seq_BS, committed_B) -> CrossState:
-        """Translates up to `window` committed target tokens past each row's sync point into draft ids."""
+    def sync(self, bridge, state: CrossState, seq_BS, committed_B) -> tuple[CrossState, jax.Array]:
+        """Translates up to `window` committed target tokens from each row's seam (the last synced
+        target token, re-translated with the new ones so that the draft's ids merge across rounds as
+        its tokenizer would) into draft ids -> (the state, per row the draft ids before the first one
+        that changed: d_len where the seam re-translated as before)."""
         S, Sd = seq_BS.shape[1], state.dseq_BSd.shape[1]
         N, C = self.n_window, self.cap
-        src_BN = jnp.take_along_axis(seq_BS, jnp.minimum(state.t_sync_B[:, None] + jnp.arange(N)[None], S - 1), axis=1)
-        n_B = jnp.clip(committed_B - state.t_sync_B, 0, N)
-        ids_BC, count_B, adv_B = jax.vmap(vocab_bridge.sync_to_draft, in_axes=(None, 0, 0, None))(bridge, src_BN, n_B, C)
-        count_B = jnp.minimum(count_B, Sd - state.d_len_B)  # a full row keeps what fits (it proposes no more)
+        src_BN = jnp.take_along_axis(seq_BS, jnp.minimum(state.t_tail_B[:, None] + jnp.arange(N)[None], S - 1), axis=1)
+        n_B = jnp.clip(committed_B - state.t_tail_B, 0, N)
+        ids_BC, count_B, adv_B, tail_t_B, tail_d_B = jax.vmap(
+            lambda i, n: vocab_bridge.sync_to_draft(bridge, i, n, C, with_tail=True))(src_BN, n_B)
+        start_B = state.d_tail_B
+        count_B = jnp.minimum(count_B, Sd - start_B)  # a full row keeps what fits (it proposes no more)
         c_C = jnp.arange(C)
-        pos_BC = jnp.where(c_C[None] < count_B[:, None], state.d_len_B[:, None] + c_C[None], Sd)  # Sd: dropped
+        pos_BC = jnp.where(c_C[None] < count_B[:, None], start_B[:, None] + c_C[None], Sd)  # Sd: dropped
+        old_BC = jnp.take_along_axis(state.dseq_BSd, jnp.minimum(start_B[:, None] + c_C[None], Sd - 1), axis=1)
+        differ_BC = (c_C[None] < count_B[:, None]) & (start_B[:, None] + c_C[None] < state.d_len_B[:, None]) & (
+            ids_BC != old_BC)
+        same_B = jnp.min(jnp.where(differ_BC, start_B[:, None] + c_C[None], state.d_len_B[:, None]), axis=1)
+        same_B = jnp.minimum(same_B, start_B + count_B)  # a seam that re-translated shorter
         B = seq_BS.shape[0]
         dseq_BSd = state.dseq_BSd.at[jnp.arange(B)[:, None], pos_BC].set(ids_BC, mode="drop")
-        return state.replace(dseq_BSd=dseq_BSd, t_sync_B=state.t_sync_B + adv_B, d_len_B=state.d_len_B + count_B)
+        state = state.replace(dseq_BSd=dseq_BSd, t_sync_B=state.t_tail_B + adv_B, d_len_B=start_B + count_B,
+                              t_tail_B=state.t_tail_B + tail_t_B, d_tail_B=start_B + jnp.minimum(tail_d_B, count_B))
+        return state, same_B
 
     def feed(self, model_params, state: CrossState, p0_B, d_len_B, pd_BP, W: int, backend):
         """Runs the draft over [dseq[p0 .. d_len - 1], pd] from position p0: (its greedy choices after

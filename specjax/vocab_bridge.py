@@ -627,7 +627,7 @@ def target_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: 
                      bridge.draft_nb_Vd, cap, bridge.match_len, bridge.draft_pieces, bridge.char_class_U)
 
 
-def sync_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: int):
+def sync_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: int, *, with_tail: bool = False):
     """Committed target tokens -> (draft_ids_C, count, advance): the draft's context grows by whole
     target tokens only, so a later call goes on exactly where this one stopped.
 
@@ -635,8 +635,14 @@ def sync_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: in
     end inside a target token is cut back to the last token boundary: that token waits for the next
     call). `advance` is how far the caller's sync point moves: `consumed`, or `consumed + 1` past a
     token that cannot be spelled in the draft's vocabulary (a special with no counterpart, a byte the
-    draft lacks): that token is left out of the draft's context, never retried. When the first
-    token alone needs more than `cap` draft ids, the `cap` ids are kept and the rest of it dropped.
+    draft lacks): that token is left out of the draft's context. When the first token alone needs
+    more than `cap` draft ids, the `cap` ids are kept and the rest of it dropped.
+
+    with_tail: also (tail_tokens, tail_ids): the last place before the final target token where a
+    draft id ends with a target token (0, 0 if none). A caller that re-translates from there next
+    time, with the next tokens after it, lets the draft's ids merge across the seam ("\n\n" then
+    "\n" become the draft's one "\n\n\n" token, as the draft's tokenizer would encode the text);
+    "table" has no seam to re-open (its tail is the whole output).
     """
     N = target_ids_N.shape[0]
     out_C, count, consumed = target_to_draft(bridge, target_ids_N, n, cap)
@@ -644,7 +650,8 @@ def sync_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: in
     if bridge.algorithm == "table":  # whole rows only: count already spells `consumed` tokens
         blocked = (consumed < n) & (bridge.t2d_len_Vt[target_ids_N[jnp.minimum(consumed, N - 1)]] < 0)
         too_long = (consumed == 0) & (n > 0)  # one token's row wider than cap
-        return out_C, count, consumed + (blocked | too_long).astype(jnp.int32)
+        advance = consumed + (blocked | too_long).astype(jnp.int32)
+        return (out_C, count, advance, advance, count) if with_tail else (out_C, count, advance)
     # byte ends of the source tokens and of the emitted ids (a special is one slot on both sides)
     end_N = jnp.cumsum(jnp.where(j_N < n, bridge.target_nb_Vt[target_ids_N], 0))
     c_C = jnp.arange(1, cap + 1)
@@ -659,7 +666,14 @@ def sync_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: in
                                   jnp.where(tokens == 0, 1, tokens)))  # cap reached: rest next time
     keep = jnp.where(full & (tokens == 0) & (n > 0), count, whole)
     out_C = jnp.where(jnp.arange(cap) < keep, out_C, 0)
-    return out_C, keep.astype(jnp.int32), jnp.minimum(advance, n).astype(jnp.int32)
+    out = out_C, keep.astype(jnp.int32), jnp.minimum(advance, n).astype(jnp.int32)
+    if not with_tail:
+        return out
+    before = jnp.max(jnp.where(on_boundary_C & (c_C < whole), c_C, 0))  # the boundary before the last
+    tail_tokens = jnp.where(before > 0, at_C[jnp.maximum(before - 1, 0)] + 1, 0)
+    # nothing whole (a token cut at cap): no seam to re-open, or the next call would redo it forever
+    tail_tokens, before = jnp.where(whole > 0, tail_tokens, out[2]), jnp.where(whole > 0, before, keep)
+    return (*out, tail_tokens.astype(jnp.int32), before.astype(jnp.int32))
 
 
 def translate_host(ids: Sequence[int], table_VxW: np.ndarray, len_V: np.ndarray) -> list[int]:

@@ -83,7 +83,7 @@ def test_the_draft_context_follows_the_committed_text_and_proposals_continue_it(
     state = jax.jit(lambda pr, ln: drafter.init(params, pr, ln, S))(jnp.asarray(seq[:, :T]), jnp.asarray(lens))
     propose = jax.jit(lambda st, s, L: drafter.propose(params, st, s, L, jax.random.PRNGKey(0), 0.0))
     _, bridge = cross_draft.split_params(params)
-    agreed = jax.jit(lambda st, s, L: drafter.agreed(drafter.sync(bridge, st, s, L + 1), st.d_len_B,
+    agreed = jax.jit(lambda st, s, L: drafter.agreed(drafter.sync(bridge, st, s, L + 1)[0], st.d_len_B,
                                                      st.dseq_BSd.shape[1]))
     rng = np.random.default_rng(0)
     filler = target.tokenizer.encode(" return x + y  # done\n" * 3)

@@ -397,3 +397,33 @@ def test_pieces_off_cuts_across_them(tiny_pair):
     m = ref.measure(draft, target, CODE)
     assert (m["greedy longest match in pieces (default)"]["same span"]
             > m["greedy longest match, across pieces"]["same span"])
+
+
+def test_sync_tail_reopens_the_seam(tiny_pair):
+    """Re-translating from the tail with the next tokens gives the draft the ids of the whole text at
+    once, where translating each part alone leaves a seam ("\\n" | "\\n\\n" is not the draft's "\\n\\n\\n")."""
+    target, draft = tiny_pair
+    bridge = vb.build_bridge(target, draft, cache=False)
+    sync = jax.jit(lambda i, n: vb.sync_to_draft(bridge, i, n, 64, with_tail=True))
+    seams = 0
+    for text in CODE + ["x\n\n\n\ny", "a   b  c", "return  0\n\n\n"]:
+        ids = vb.encode_bytes(target, text.encode())
+        if len(ids) > 24:  # every part fits the 64 draft ids at once
+            continue
+        whole, n_whole, adv, _, _ = sync(jnp.asarray(ids + [0] * (64 - len(ids))), len(ids))
+        want = [int(t) for t in whole[:int(n_whole)]]
+        for cut in range(1, len(ids)):
+            first, n1, adv1, tail_t, tail_d = (int(x) if np.ndim(x) == 0 else x for x in
+                                              sync(jnp.asarray(ids[:cut] + [0] * (64 - cut)), cut))
+            assert adv1 == cut and 0 <= tail_t < cut and 0 <= tail_d < n1
+            rest = ids[tail_t:]
+            second, n2, adv2, _, _ = sync(jnp.asarray(rest + [0] * (64 - len(rest))), len(rest))
+            got = [int(t) for t in first[:tail_d]] + [int(t) for t in second[:int(n2)]]
+            assert _bytes(draft, got) == text.encode()
+            naive = [int(t) for t in first[:n1]] + [int(t) for t in sync(jnp.asarray(
+                ids[cut:] + [0] * (64 - len(ids) + cut)), len(ids) - cut)[0][:int(sync(jnp.asarray(
+                    ids[cut:] + [0] * (64 - len(ids) + cut)), len(ids) - cut)[1])]]
+            seams += naive != want
+            assert got == want or naive != want  # the tail never does worse than the plain seam
+        assert int(adv) == len(ids)
+    assert seams > 0  # the corpus has seams that the plain cut gets wrong
