@@ -8,17 +8,17 @@ re-encodes the same are returned (transformers' assisted generation with `assist
 the same with a look-behind window), so merges across the seam come out canonical.
 
 Also here, for the measurement that chose the device algorithm (the binary
-`experiments/cross_vocab_reference.py`; experiments/results/vocab_bridge.md): `greedy_longest_match`,
-the host simulation of `vocab_bridge`'s default ("greedy", equal to it token for token), and
-`measure`, the agreement of each translation with the target's own canonical encoding of the same
-bytes.
+`experiments/cross_vocab_reference.py`; experiments/results/vocab_bridge.md): the host simulations of
+`vocab_bridge`'s algorithms, each equal to its device function token for token (`bpe_in_pieces`: the
+default "bpe"; `greedy_longest_match`: "greedy"), and `measure`, the agreement of each translation
+with the target's own canonical encoding of the same bytes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specjax import pretokenize, vocab_bridge
+from specjax import bpe, pretokenize, vocab_bridge
 
 
 
@@ -65,7 +65,24 @@ def greedy_longest_match(dst_tok, data: bytes, *, max_len: int = 32, pieces: str
     return out
 
 
-_INDEX: dict[int, dict[bytes, int]] = {}
+def bpe_in_pieces(dst_tok, data: bytes, *, max_piece: int = 64) -> list[int]:
+    """The destination's merges (`bpe.encode_host`) in its pre-tokenizer's pieces, each cut at
+    `max_piece` bytes: what `vocab_bridge.bpe_encode` computes on the device, written plainly (for
+    pieces no longer than the cap, the tokenizer's own encoding of the bytes)."""
+    key = ("bpe", id(dst_tok))
+    if key not in _INDEX:
+        _INDEX[key] = bpe.merge_tables(dst_tok)
+    tables, kind = _INDEX[key], pretokenize.kind_of(dst_tok)
+    out, i = [], 0
+    while i < len(data):  # each piece measured from its start in a window, as the device does
+        n = max_piece if kind == "none" else pretokenize.pieces_host(data[i:i + max_piece + 4], kind)[0]
+        n = min(n, max_piece, len(data) - i)
+        out += bpe.encode_host(tables, list(data[i:i + n]))
+        i += n
+    return out
+
+
+_INDEX: dict = {}
 
 
 def _bytes_index(tok, max_len: int) -> dict[bytes, int]:
@@ -102,8 +119,9 @@ def measure(src_tok, dst_tok, texts: Sequence[str]) -> dict[str, dict[str, float
     algos = {
         "per-token table": lambda ids, data: vocab_bridge.translate_host(ids, table, lens),
         "greedy longest match, across pieces": lambda ids, data: greedy_longest_match(dst_tok, data),
-        "greedy longest match in pieces (default)":
+        "greedy longest match in pieces":
             lambda ids, data: greedy_longest_match(dst_tok, data, pieces=pretokenize.kind_of(dst_tok)),
+        "BPE merges in pieces (default)": lambda ids, data: bpe_in_pieces(dst_tok, data),
         "re-tokenize text (FLy, host)": lambda ids, data: retokenize(src_tok, dst_tok, ids),
     }
     sums = {name: [0, 0, 0, 0, 0] for name in algos}
@@ -133,7 +151,7 @@ def cost(target_tok, draft_tok, *, batch: int = 8, repeats: int = 20) -> None:
 
     text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
     d_ids, t_ids = draft_tok.encode(text), target_tok.encode(text)
-    for algorithm in ("greedy", "table"):
+    for algorithm in vocab_bridge.ALGORITHMS:
         start = time.perf_counter()
         bridge = vocab_bridge.build_bridge(target_tok, draft_tok, algorithm=algorithm)
         print(f"{algorithm}: build {time.perf_counter() - start:.1f} s, tables {bridge.nbytes / 2**20:.1f} MiB")

@@ -42,6 +42,8 @@ _NUM_HE = flags.DEFINE_integer("num_humaneval", 40, "HumanEval chat requests (th
 _NUM_MT = flags.DEFINE_integer("num_mtbench", 40, "MT-Bench first turns (the first N).")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens at most per prompt (each model's EOS ends a reply).")
 _TRANSFORMERS = flags.DEFINE_boolean("transformers", True, "Also run transformers' assisted generation (exact).")
+_DRAFTERS = flags.DEFINE_list("drafters", ["cross", "host", "same", "pld"], "The specjax-side drafters to run "
+                              "(a subset for a quick look; the table's rows need all four).")
 _OUT = flags.DEFINE_string("output_dir", None, "Where measurements.jsonl (resumed) and table.md go.")
 flags.mark_flag_as_required("output_dir")
 
@@ -101,7 +103,8 @@ class Runner:
 
 def run_specjax(target_name, items, ledger, settings) -> None:
     runner = None
-    todo = configs([int(k) for k in _KS.value], _METHODS.value, target_name, _SAME.value)
+    todo = [c for c in configs([int(k) for k in _KS.value], _METHODS.value, target_name, _SAME.value)
+            if c[0] in _DRAFTERS.value]
     for n, (dataset, index, text) in enumerate(items):
         base = ledger.get(key({**settings, "dataset": dataset, "index": index, "config": "target-only"}))
         for drafter, method, k in [(None, "exact", 0), *todo]:
@@ -162,6 +165,9 @@ def main(argv):
         raise _paths.RunError(f"--ks must be integers, got {_KS.value}") from None
     if not ks or min(ks) < 1 or _NEW.value < 2 or min(_NUM_HE.value, _NUM_MT.value) < 0:
         raise _paths.RunError("--ks must be integers >= 1, --max_new_tokens >= 2, prompt counts >= 0")
+    unknown = sorted(set(_DRAFTERS.value) - {"cross", "host", "same", "pld"})
+    if unknown:
+        raise _paths.RunError(f"--drafters: unknown {', '.join(unknown)} (cross, host, same, pld)")
     items = prompts(_NUM_HE.value, _NUM_MT.value)
     os.makedirs(_OUT.value, exist_ok=True)
     ledger = _jsonl.Ledger(os.path.join(_OUT.value, "measurements.jsonl"), key)

@@ -80,7 +80,7 @@ def split_params(params) -> tuple[Any, vocab_bridge.Bridge]:
 def draft_vocab_size(params) -> int:
     """The draft tokenizer's vocabulary size, read from the bridge's tables in a drafter's params."""
     bridge = params[BRIDGE]
-    table = bridge.draft_nb_Vd if bridge.algorithm == "greedy" else bridge.d2t_len_Vd
+    table = bridge.d2t_len_Vd if bridge.algorithm == "table" else bridge.draft_nb_Vd
     return int(table.shape[0])
 
 

@@ -11,37 +11,38 @@ functions are pure `jnp` over them (jit- and vmap-able, no host callback):
 
 Both return the ids (0 past the count), the count, and how many source tokens were consumed whole.
 
-**Algorithms.** Both keep the bytes exactly (a byte-level vocabulary has a token for every byte of
+**Algorithms.** All keep the bytes exactly (a byte-level vocabulary has a token for every byte of
 text), so a translation's bytes are always the source tokens' bytes.
 
-- `"greedy"` (the default): the source tokens' bytes go into one buffer, which is re-cut left to
-  right into the longest destination tokens of at most `match_len` (32) bytes that stay inside one
-  piece of the destination's pre-tokenizer (`specjax.pretokenize`; no pieces for one it does not
-  know). Each of the C output steps hashes every prefix of the next 32 bytes, finds the hashes with
-  `jnp.searchsorted` in a sorted table of the destination's token hashes, checks the candidates byte
-  by byte (so a hash collision can only cost a shorter match, never wrong bytes), and emits the
-  longest match that ends inside the piece. Tables: both vocabularies' token bytes (uint8, widest
-  token wide) and hashes, and a class per character of the Basic Multilingual Plane: 25.5 MiB for
-  SmolLM2 <-> Qwen2.5 (the table: 17.4 MiB).
+- `"bpe"` (the default): the destination tokenizer's own encoding of the bytes, on the device
+  (`specjax.bpe`): its pre-tokenizer's pieces (`specjax.pretokenize`; a piece is cut at `match_len`,
+  64 bytes) and its merges, the lowest rank first, every piece of a 128-slot chunk at once. For text
+  whose pieces fit the cap, it equals `tokenizers`' encoding token for token (tested on the tiny
+  tokenizers of each pre-tokenizer kind and on SmolLM2 <-> Qwen2.5: all 164 HumanEval prompts with
+  solutions, both directions, have pieces of at most 36 bytes). Tables: each side's token bytes,
+  merges in a CSR layout and a class per character of the Basic Multilingual Plane (27.0 MiB for
+  SmolLM2 <-> Qwen2.5, most of it the token bytes). On CPU a K = 15 proposal takes 0.86 ms, the
+  greedy re-cut 1.00 ms.
+- `"greedy"`: the bytes re-cut left to right into the longest destination tokens of at most
+  `match_len` (32) bytes that stay inside one piece. Each of the C output steps hashes every prefix
+  of the next 32 bytes, finds the hashes with `jnp.searchsorted` in a sorted table of the
+  destination's token hashes, and checks the candidates byte by byte (so a hash collision can only
+  cost a shorter match, never wrong bytes). Inside a piece it takes the longest entry where BPE's
+  merge order may not: 97.7 % of its tokens are the target's own on HumanEval, 96 % on MT-Bench.
 - `"table"`: row v of a per-token table holds the destination's canonical encoding of source token
   v's bytes alone (its pre-tokenizer and BPE, no normalizer); a row of ids becomes the
-  concatenation of its rows (a gather, a cumsum, one scatter). Cheaper, no loop: on CPU 0.1 ms
-  per batch of 8 rows where greedy's K sequential steps take 1.6 ms (same results file).
+  concatenation of its rows (a gather, a cumsum, one scatter). Cheaper, no loop, but it cannot
+  merge across the draft's token boundaries (a K-token proposal carries 12 % fewer bytes on code).
 
-Why greedy in pieces: measured on the real tokenizers (SmolLM2-135M <-> Qwen2.5-Coder, 164 HumanEval
-prompts, the same with their solutions, 80 MT-Bench questions; experiments/results/vocab_bridge.md,
-`python -m experiments.cross_vocab_reference`), the share of translated tokens that are the
-destination's own canonical token at the same byte span is 0.97-0.98 (code) and 0.96-0.97 (prose)
-in pieces, against 0.80-0.84 and 0.96 across pieces and 0.74-0.84 and 0.91-0.96 for the table (the
-table cannot merge across the draft's token boundaries, so a K-token proposal carries 12 % fewer
-bytes on code). None reaches the host's re-tokenizing of the text (FLy's way, 1.0 by construction):
-inside a piece greedy takes the longest entry where BPE's merge order may not.
+Measured on the real tokenizers (experiments/results/vocab_bridge.md, `python -m
+experiments.cross_vocab_reference`). FLy's host re-tokenizing of the text is canonical by
+construction, as "bpe" is; it differs only where it decodes a partial character to U+FFFD.
 
 **What does not map one to one, and what we do:**
 
-- *BPE merges across token boundaries.* "greedy" re-cuts the bytes, so the target's token that spans
-  two draft tokens is found when it is the longest match inside its piece; "table" keeps the draft's
-  boundaries.
+- *BPE merges across token boundaries.* "bpe" and "greedy" re-encode the bytes, so the target's
+  token that spans two draft tokens is found ("bpe": where the target's merges make it; "greedy":
+  where it is the longest match inside its piece); "table" keeps the draft's boundaries.
   Either way a non-canonical segmentation only lowers acceptance: exact verification compares the
   target's own choices, whatever ids are proposed.
 - *Partial UTF-8.* Byte-level tokens may end mid-character. Both algorithms work on bytes, never on
@@ -56,8 +57,8 @@ inside a piece greedy takes the longest entry where BPE's merge order may not.
   ends the proposal before it.
 - *Bytes one vocabulary lacks.* SmolLM2 has no token for 21 bytes (control bytes 0x04, 0x06, ...
   and 0xc0, 0xc1, 0xf1..0xff); a translation stops before a token that needs one.
-- *A proposal longer than K.* `draft_to_target` emits at most K target tokens. "greedy" emits the
-  first K tokens of the re-cut (the last one may end inside a draft token); "table" keeps the
+- *A proposal longer than K.* `draft_to_target` emits at most K target tokens. "bpe" and "greedy"
+  emit the first K tokens of the encoding (the last one may end inside a draft token); "table" keeps the
   longest run of whole draft tokens whose rows fit. `consumed` is the number of draft tokens whose
   bytes the output covers whole: the draft's own state beyond them is to be rolled back (or the
   committed target tokens translated back with `target_to_draft`, which is what the draft's cache
@@ -69,8 +70,8 @@ atomically with the SHA-256 of its contents in front; a damaged file is warned a
 unwritable cache only warned about.
 
 `check_bridgeable` refuses, before anything is built or compiled, a tokenizer that is missing or not
-a byte-level BPE, naming both models. The module is over 450 lines because it holds both
-algorithms, their host-side table builders (which share the byte helpers) and their file on disk, the whole-token sync the
+a byte-level BPE, naming both models. The module is over 450 lines because it holds the three
+algorithms' device entry points (the BPE itself is `specjax.bpe`), their host-side table builders (which share the byte helpers) and their file on disk, the whole-token sync the
 cross-vocabulary drafter reads (`sync_to_draft`), and the tables' shapes for planning (`AbstractVocab`).
 """
 
@@ -81,6 +82,7 @@ import functools
 import hashlib
 import io
 import json
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -89,28 +91,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import pretokenize
+from specjax import bpe, pretokenize
 
 UNMAPPED = -1  # row length of a special token with no counterpart: a translation stops before it
 
 
-@functools.lru_cache(maxsize=1)
-def byte_decoder() -> dict[str, int]:
-    """The byte-level alphabet (GPT-2's bytes_to_unicode) read backwards: character -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-def _byte_encoder() -> dict[int, str]:
-    return {b: c for c, b in byte_decoder().items()}
+byte_decoder = bpe.byte_decoder  # the byte-level alphabet read backwards: character -> byte
+_byte_encoder = bpe.byte_encoder
 
 
 def _special_tokens(tok) -> dict[int, str]:
@@ -241,7 +228,9 @@ class Bridge:
     "table": `d2t_ids_VdxW`/`d2t_len_Vd` and `t2d_ids_VtxW`/`t2d_len_Vt` (per-token rows).
     "greedy": each vocabulary's token bytes (`*_bytes_VxB`, `*_nb_V`), a sorted hash of the byte
     strings of its tokens up to `match_len` bytes (`*_hash_H`, `*_hash_id_H`), and the special-token
-    maps (`d2t_special_Vd`, `t2d_special_Vt`: the other side's id, or UNMAPPED). Unused fields are None.
+    maps (`d2t_special_Vd`, `t2d_special_Vt`: the other side's id, or UNMAPPED).
+    "bpe": the token bytes and special maps as "greedy", and each side's merges (`*_merges`) in
+    place of the hashes; `match_len` is then the longest piece. Unused fields are None.
     """
     algorithm: str = struct.field(pytree_node=False, default="greedy")
     match_len: int = struct.field(pytree_node=False, default=32)
@@ -262,6 +251,9 @@ class Bridge:
     target_hash_id_H: jax.Array | None = None
     d2t_special_Vd: jax.Array | None = None     # int32: target id of a draft special; UNMAPPED else
     t2d_special_Vt: jax.Array | None = None
+    merge_steps: int = struct.field(pytree_node=False, default=0)  # "bpe": binary-search steps per pair
+    target_merges: dict | None = None  # "bpe": `bpe.merge_tables` of each side (byte_tok_256, merge_*)
+    draft_merges: dict | None = None
 
     @property
     def nbytes(self) -> int:
@@ -298,6 +290,8 @@ def build_table(src_tok, dst_tok) -> tuple[np.ndarray, np.ndarray]:
     return ids, lens
 
 
+ALGORITHMS = ("bpe", "greedy", "table")
+_MERGE_KEYS = ("byte_tok_256", "merge_start_V1", "merge_right_M", "merge_rank_M", "merge_id_M")
 _PLAIN, _NO_COUNTERPART = -1, -2  # the special maps' values besides the other side's id
 _HASH_MUL = 0x01000193  # FNV's prime; any odd multiplier works: every hit is checked byte by byte
 
@@ -358,7 +352,7 @@ def _special_map(src_tok, dst_tok) -> np.ndarray:
 
 
 def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_name: str = "draft",
-                 algorithm: str = "greedy", match_len: int = 32, cache: bool = True,
+                 algorithm: str = "bpe", match_len: int | None = None, cache: bool = True,
                  pieces: bool = True) -> Bridge:
     """Host, once: check both tokenizers and build the device tables of `algorithm`.
 
@@ -370,11 +364,12 @@ def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_na
     by both tokenizers' serialized state (`cache_path`): a later Engine of the same pair reads them
     (about 0.1 s for SmolLM2 -> Qwen2.5, against about a second to build them)."""
     check_bridgeable(target_tok, draft_tok, target_name=target_name, draft_name=draft_name)
+    match_len = default_match_len(algorithm) if match_len is None else match_len
     if isinstance(target_tok, AbstractVocab) or isinstance(draft_tok, AbstractVocab):
         return abstract_bridge(target_tok, draft_tok, algorithm=algorithm, match_len=match_len, pieces=pieces)
-    if algorithm not in ("greedy", "table"):
-        raise ValueError(f"unknown translation algorithm {algorithm!r} (greedy, table)")
-    if algorithm == "greedy" and not 1 <= match_len <= 256:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown translation algorithm {algorithm!r} ({', '.join(ALGORITHMS)})")
+    if algorithm != "table" and not 1 <= match_len <= 256:
         raise ValueError(f"match_len={match_len} must be in 1..256")
     path = cache_path(target_tok, draft_tok, algorithm, match_len) if cache else None
     arrays = None if path is None else _read_tables(path, algorithm, target_tok.vocab_size, draft_tok.vocab_size)
@@ -383,13 +378,25 @@ def build_bridge(target_tok, draft_tok, *, target_name: str = "target", draft_na
         if path is not None:
             _write_tables(path, arrays)
     kinds = _piece_kinds(algorithm, pieces, pretokenize.kind_of(target_tok), pretokenize.kind_of(draft_tok))
-    return Bridge(algorithm=algorithm, match_len=match_len, **kinds,
+    merges = {}
+    if algorithm == "bpe":
+        for side in ("target", "draft"):
+            merges[f"{side}_merges"] = {k: jnp.asarray(arrays.pop(f"{side}_{k}")) for k in _MERGE_KEYS}
+        merges["merge_steps"] = max(bpe.search_steps(merges[f"{side}_merges"]["merge_start_V1"])
+                                    for side in ("target", "draft"))
+    return Bridge(algorithm=algorithm, match_len=match_len, **kinds, **merges,
                   **{k: jnp.asarray(v) for k, v in arrays.items()})
+
+
+def default_match_len(algorithm: str) -> int:
+    """"greedy": the longest match, 32 bytes; "bpe": the longest piece, 64 bytes (HumanEval's
+    indentation has whitespace pieces of 33-36 bytes); "table": unused."""
+    return 64 if algorithm == "bpe" else 32
 
 
 def _piece_kinds(algorithm: str, pieces: bool, target: str, draft: str, *, abstract: bool = False) -> dict:
     """Bridge fields of the pre-tokenizer pieces ("table" keeps the draft's own boundaries: none)."""
-    if algorithm != "greedy" or not pieces or (target, draft) == ("none", "none"):
+    if algorithm == "table" or not pieces or (target, draft) == ("none", "none"):
         return {}
     table = (jax.ShapeDtypeStruct((1 << 16,), jnp.uint8) if abstract
              else jnp.asarray(pretokenize.char_classes()))
@@ -405,9 +412,12 @@ def _build_arrays(target_tok, draft_tok, algorithm: str, match_len: int) -> dict
     for side, tok in (("draft", draft_tok), ("target", target_tok)):
         all_bytes = token_bytes(tok)
         b, nb = _bytes_arrays(tok, all_bytes)
-        h, hid = _hash_arrays(all_bytes, b, nb, match_len)
-        arrays.update({f"{side}_bytes_V{side[0]}xB": b, f"{side}_nb_V{side[0]}": nb,
-                       f"{side}_hash_H": h, f"{side}_hash_id_H": hid})
+        arrays.update({f"{side}_bytes_V{side[0]}xB": b, f"{side}_nb_V{side[0]}": nb})
+        if algorithm == "bpe":
+            arrays.update({f"{side}_{k}": v for k, v in bpe.merge_tables(tok).items()})
+        else:
+            h, hid = _hash_arrays(all_bytes, b, nb, match_len)
+            arrays.update({f"{side}_hash_H": h, f"{side}_hash_id_H": hid})
     arrays["d2t_special_Vd"] = _special_map(draft_tok, target_tok)
     arrays["t2d_special_Vt"] = _special_map(target_tok, draft_tok)
     return arrays
@@ -418,12 +428,13 @@ def _build_arrays(target_tok, draft_tok, algorithm: str, match_len: int) -> dict
 _CACHE_FORMAT = "specjax-vocab-bridge-1"  # bump when the tables' meaning changes
 
 
-def cache_path(target_tok, draft_tok, algorithm: str = "greedy", match_len: int = 32):
+def cache_path(target_tok, draft_tok, algorithm: str = "bpe", match_len: int | None = None):
     """Where `build_bridge` keeps the tables of this pair: a file named by a hash of the format,
     the algorithm and both tokenizers' serialized state (`tokenizers.Tokenizer.to_str`: vocabulary,
     merges, added tokens, pre-tokenizer) and sizes; None for a tokenizer that cannot be serialized."""
     from specjax.models import presets
 
+    match_len = default_match_len(algorithm) if match_len is None else match_len
     h = hashlib.sha256(json.dumps([_CACHE_FORMAT, algorithm, int(match_len)]).encode())
     for tok in (target_tok, draft_tok):
         try:
@@ -439,6 +450,13 @@ def _expected_shapes(algorithm: str, Vt: int, Vd: int) -> dict[str, tuple]:
     """The leading (vocabulary) dimension of each stored table: a check of what was read."""
     if algorithm == "table":
         return dict(d2t_ids_VdxW=(Vd,), d2t_len_Vd=(Vd,), t2d_ids_VtxW=(Vt,), t2d_len_Vt=(Vt,))
+    if algorithm == "bpe":
+        merges = {}
+        for side, V in (("target", Vt), ("draft", Vd)):
+            merges.update({f"{side}_{k}": () for k in _MERGE_KEYS})
+            merges.update({f"{side}_byte_tok_256": (256,), f"{side}_merge_start_V1": (V + 1,)})
+        return dict(draft_bytes_VdxB=(Vd,), draft_nb_Vd=(Vd,), target_bytes_VtxB=(Vt,), target_nb_Vt=(Vt,),
+                    d2t_special_Vd=(Vd,), t2d_special_Vt=(Vt,), **merges)
     return dict(draft_bytes_VdxB=(Vd,), draft_nb_Vd=(Vd,), target_bytes_VtxB=(Vt,), target_nb_Vt=(Vt,),
                 draft_hash_H=(), draft_hash_id_H=(), target_hash_H=(), target_hash_id_H=(),
                 d2t_special_Vd=(Vd,), t2d_special_Vt=(Vt,))
@@ -485,17 +503,30 @@ def _read_tables(path, algorithm: str, Vt: int, Vd: int) -> dict[str, np.ndarray
         return None
 
 
-def abstract_bridge(target: AbstractVocab, draft: AbstractVocab, *, algorithm: str = "greedy",
-                    match_len: int = 32, pieces: bool = True) -> Bridge:
+def abstract_bridge(target: AbstractVocab, draft: AbstractVocab, *, algorithm: str = "bpe",
+                    match_len: int | None = None, pieces: bool = True) -> Bridge:
     """The tables' shapes for two vocabularies of these sizes (every token hashed: an upper bound)."""
     if not (isinstance(target, AbstractVocab) and isinstance(draft, AbstractVocab)):
         raise ValueError("an abstract bridge needs two AbstractVocab sizes (one real tokenizer and one "
                          "abstract cannot be bridged)")
     sds = jax.ShapeDtypeStruct
     Vt, Vd = target.vocab_size, draft.vocab_size
+    match_len = default_match_len(algorithm) if match_len is None else match_len
     if algorithm == "table":  # a row holds at most one id per byte
         return Bridge(algorithm="table", d2t_ids_VdxW=sds((Vd, draft.width), jnp.int32), d2t_len_Vd=sds((Vd,), jnp.int32),
                       t2d_ids_VtxW=sds((Vt, target.width), jnp.int32), t2d_len_Vt=sds((Vt,), jnp.int32))
+    if algorithm == "bpe":  # every token but the 256 bytes made by one merge: an upper bound
+        merges = {}
+        for side, V in (("target", Vt), ("draft", Vd)):
+            M = max(V - 256, 1)
+            merges[f"{side}_merges"] = dict(
+                byte_tok_256=sds((256,), jnp.int32), merge_start_V1=sds((V + 1,), jnp.int32),
+                **{k: sds((M,), jnp.int32) for k in ("merge_right_M", "merge_rank_M", "merge_id_M")})
+        return Bridge(algorithm="bpe", match_len=match_len, merge_steps=max(1, math.ceil(math.log2(max(Vt, Vd)))),
+                      **_piece_kinds(algorithm, pieces, target.pieces, draft.pieces, abstract=True), **merges,
+                      draft_bytes_VdxB=sds((Vd, draft.width), jnp.uint8), draft_nb_Vd=sds((Vd,), jnp.int32),
+                      target_bytes_VtxB=sds((Vt, target.width), jnp.uint8), target_nb_Vt=sds((Vt,), jnp.int32),
+                      d2t_special_Vd=sds((Vd,), jnp.int32), t2d_special_Vt=sds((Vt,), jnp.int32))
     return Bridge(algorithm="greedy", match_len=match_len,
                   **_piece_kinds(algorithm, pieces, target.pieces, draft.pieces, abstract=True),
                   draft_bytes_VdxB=sds((Vd, draft.width), jnp.uint8), draft_nb_Vd=sds((Vd,), jnp.int32),
@@ -533,6 +564,45 @@ def translate(ids_N: jax.Array, n: jax.Array, table_VxW: jax.Array, len_V: jax.A
     return out_C, count, consumed
 
 
+def _byte_buffer(ids_N, n, src_bytes_VxB, src_nb_V, src_special_V, pad: int):
+    """The bytes of the first `n` source tokens in one buffer -> (buf_S, total, live_N, end_N).
+
+    Byte values 0..255; a special's slot holds 256 + its destination id; -1 past the end (at least
+    `pad` slots). A special with no counterpart ends the buffer before it (live_N: the tokens in it;
+    end_N: each token's byte end)."""
+    N, B = ids_N.shape[0], src_bytes_VxB.shape[1]
+    special_N = src_special_V[ids_N]
+    live_N = (jnp.arange(N) < n) & (jnp.cumsum(special_N == _NO_COUNTERPART) == 0)
+    nb_N = jnp.where(live_N, src_nb_V[ids_N], 0)
+    end_N = jnp.cumsum(nb_N)
+    val_NxB = jnp.where(special_N[:, None] >= 0, 256 + special_N[:, None],
+                        src_bytes_VxB[ids_N].astype(jnp.int32))
+    pos_NxB = (end_N - nb_N)[:, None] + jnp.arange(B)[None, :]
+    pos_NxB = jnp.where(jnp.arange(B)[None, :] < nb_N[:, None], pos_NxB, N * B)
+    buf_S = jnp.full((N * B + pad,), -1, jnp.int32).at[pos_NxB.reshape(-1)].set(val_NxB.reshape(-1), mode="drop")
+    return buf_S, end_N[-1], live_N, end_N
+
+
+def bpe_encode(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_special_V, dst_merges: dict,
+               steps: int, cap: int, match_len: int, pieces: str = "none",
+               class_U=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One row, the destination's own BPE: the bytes of the first `n` source tokens encoded as the
+    destination tokenizer encodes them (its pre-tokenizer's pieces of at most `match_len` bytes,
+    its merges; `specjax.bpe`) -> (out_C, count, consumed), C = `cap`. It stops before a special
+    token with no counterpart and before a byte the destination lacks; `consumed` counts the source
+    tokens whose bytes the output covers whole."""
+    chunk = max(128, 2 * match_len)
+    buf_S, total, live_N, end_N = _byte_buffer(ids_N, n, src_bytes_VxB, src_nb_V, src_special_V,
+                                               chunk + match_len + 4)
+    byte_tok = dst_merges["byte_tok_256"][jnp.clip(buf_S, 0, 255)]
+    lacking_S = (buf_S >= 0) & (buf_S < 256) & (byte_tok < 0)
+    total = jnp.minimum(total, jnp.min(jnp.where(lacking_S, jnp.arange(buf_S.shape[0]), total)))
+    out_C, count, end = bpe.encode(buf_S, total, cap, dst_merges, steps=steps, pieces=pieces, class_U=class_U,
+                                   piece_cap=match_len, chunk=chunk)
+    consumed = jnp.sum(live_N & (end_N <= end)).astype(jnp.int32)
+    return out_C, count, consumed
+
+
 def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_special_V,
               dst_hash_H, dst_hash_id_H, dst_bytes_VxB, dst_nb_V, cap: int,
               match_len: int, pieces: str = "none", class_U=None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -547,21 +617,10 @@ def resegment(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_speci
     stops before a special token with no counterpart. `consumed` counts the source tokens whose
     bytes the output covers whole.
     """
-    N, B = ids_N.shape[0], src_bytes_VxB.shape[1]
     L = match_len
     M = min(L, dst_bytes_VxB.shape[1])  # no destination token is longer than its table's width
-    special_N = src_special_V[ids_N]
-    live_N = (jnp.arange(N) < n) & (jnp.cumsum(special_N == _NO_COUNTERPART) == 0)
-    nb_N = jnp.where(live_N, src_nb_V[ids_N], 0)
-    end_N = jnp.cumsum(nb_N)
-    total = end_N[-1]
-    # byte values 0..255; a special's slot holds 256 + its destination id; -1 past the end
-    val_NxB = jnp.where(special_N[:, None] >= 0, 256 + special_N[:, None],
-                        src_bytes_VxB[ids_N].astype(jnp.int32))
-    pos_NxB = (end_N - nb_N)[:, None] + jnp.arange(B)[None, :]
-    pos_NxB = jnp.where(jnp.arange(B)[None, :] < nb_N[:, None], pos_NxB, N * B)
     P = L + 4  # a piece is measured in a window of L bytes and looks up to 4 past its start
-    buf_S = jnp.full((N * B + P,), -1, jnp.int32).at[pos_NxB.reshape(-1)].set(val_NxB.reshape(-1), mode="drop")
+    buf_S, total, live_N, end_N = _byte_buffer(ids_N, n, src_bytes_VxB, src_nb_V, src_special_V, P)
     cls_S = None if pieces == "none" else pretokenize.byte_classes(buf_S, class_U)
     pow_L = jnp.asarray([pow(_HASH_MUL, j, 1 << 32) for j in range(L)], jnp.uint32)
     len_L = jnp.arange(1, L + 1)
@@ -608,6 +667,10 @@ def draft_to_target(bridge: Bridge, draft_ids_K: jax.Array, n: jax.Array, K: int
     """A draft proposal -> (target_ids_K, count <= K, draft tokens consumed)."""
     if bridge.algorithm == "table":
         return translate(draft_ids_K, n, bridge.d2t_ids_VdxW, bridge.d2t_len_Vd, K)
+    if bridge.algorithm == "bpe":
+        return bpe_encode(draft_ids_K, n, bridge.draft_bytes_VdxB, bridge.draft_nb_Vd, bridge.d2t_special_Vd,
+                          bridge.target_merges, bridge.merge_steps, K, bridge.match_len, bridge.target_pieces,
+                          bridge.char_class_U)
     return resegment(draft_ids_K, n, bridge.draft_bytes_VdxB, bridge.draft_nb_Vd, bridge.d2t_special_Vd,
                      bridge.target_hash_H, bridge.target_hash_id_H, bridge.target_bytes_VtxB,
                      bridge.target_nb_Vt, K, bridge.match_len, bridge.target_pieces, bridge.char_class_U)
@@ -622,6 +685,10 @@ def target_to_draft(bridge: Bridge, target_ids_N: jax.Array, n: jax.Array, cap: 
     """
     if bridge.algorithm == "table":
         return translate(target_ids_N, n, bridge.t2d_ids_VtxW, bridge.t2d_len_Vt, cap)
+    if bridge.algorithm == "bpe":
+        return bpe_encode(target_ids_N, n, bridge.target_bytes_VtxB, bridge.target_nb_Vt, bridge.t2d_special_Vt,
+                          bridge.draft_merges, bridge.merge_steps, cap, bridge.match_len, bridge.draft_pieces,
+                          bridge.char_class_U)
     return resegment(target_ids_N, n, bridge.target_bytes_VtxB, bridge.target_nb_Vt, bridge.t2d_special_Vt,
                      bridge.draft_hash_H, bridge.draft_hash_id_H, bridge.draft_bytes_VdxB,
                      bridge.draft_nb_Vd, cap, bridge.match_len, bridge.draft_pieces, bridge.char_class_U)

@@ -185,9 +185,11 @@ def test_abstract_vocabularies_lower_a_program_and_count_the_tables():
     draft = models.abstract(cfg_d).with_params(models.abstract(cfg_d).params, tokenizer=vb.AbstractVocab(400, 12))
     engine = specjax.Engine(target, draft=draft, method="fly", k=4, max_new_tokens=8)
     assert isinstance(engine.drafter, cross_draft.CrossVocabDrafter)
-    # bytes tables V x width (uint8) + 5 int32/uint32 arrays of V per side (counts, 2 hash arrays, special map)
-    # + the character classes of the pre-tokenizer pieces (uint8 per code point of the BMP)
-    assert aot.bridge_bytes(engine) == 600 * 20 + 400 * 12 + 4 * 4 * (600 + 400) + 65536
+    # per side: bytes V x width (uint8), byte counts and special map (int32 V each), the merges (int32: byte
+    # tokens 256, row starts V + 1, right/rank/result of at most V - 256 merges); + the character classes of
+    # the pre-tokenizer pieces (uint8 per code point of the BMP)
+    merges = sum(4 * (256 + (V + 1) + 3 * (V - 256)) for V in (600, 400))
+    assert aot.bridge_bytes(engine) == 600 * 20 + 400 * 12 + 2 * 4 * (600 + 400) + merges + 65536
     assert "while" in engine.lower([[1, 2, 3], [4, 5]]).as_text()
     with pytest.raises(ValueError, match="two AbstractVocab"):
         vb.abstract_bridge(vb.AbstractVocab(600), None)

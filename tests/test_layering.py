@@ -48,7 +48,8 @@ LAYERS = [
     ("native", ["specjax.native"]),
     ("sharding", ["specjax.sharding"]),
     ("loader", ["specjax.models.model", "specjax.models"]),
-    ("drafters", ["specjax.drafters", "specjax.pretokenize", "specjax.vocab_bridge", "specjax.cross_draft"]),
+    ("drafters", ["specjax.drafters", "specjax.pretokenize", "specjax.bpe", "specjax.vocab_bridge",
+                  "specjax.cross_draft"]),
     ("loop", ["specjax.loop", "specjax.metrics"]),
     ("engine", ["specjax.engine", "specjax.costs", "specjax.compile_cache", "specjax.aot", "specjax"]),
 ]

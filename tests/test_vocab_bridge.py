@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_t
 
 from _tokenizer_corpus import CODE, DIGITS, EMOJI, PROSE, UNICODE, WHITESPACE
 from experiments import _cross_vocab as ref
-from specjax import vocab_bridge as vb
+from specjax import bpe, vocab_bridge as vb
 from specjax.models.tokenizer import Tokenizer
 
 TRAIN = CODE + PROSE + UNICODE + EMOJI + DIGITS + WHITESPACE
@@ -50,7 +50,7 @@ def tiny_pair():
     return target, draft
 
 
-@pytest.fixture(scope="module", params=["greedy", "table"])
+@pytest.fixture(scope="module", params=list(vb.ALGORITHMS))
 def pair(request, tiny_pair):
     target, draft = tiny_pair
     return target, draft, vb.build_bridge(target, draft, target_name="tiny-target", draft_name="tiny-draft",
@@ -100,6 +100,18 @@ def test_tables_keep_bytes(pair):
                 elif data is not None:
                     assert 1 <= k <= ids_VxW.shape[1]
                     assert _bytes(dst, [int(t) for t in ids_VxW[v, :k]]) == data
+    elif bridge.algorithm == "bpe":  # the bytes of each token, and each side's merges as bpe builds them
+        assert bridge.draft_hash_H is None and bridge.match_len == 64
+        for tok, bytes_VxB, nb_V, merges in ((draft, bridge.draft_bytes_VdxB, bridge.draft_nb_Vd, bridge.draft_merges),
+                                             (target, bridge.target_bytes_VtxB, bridge.target_nb_Vt,
+                                              bridge.target_merges)):
+            for v, data in enumerate(vb.token_bytes(tok)):
+                if data is not None:
+                    assert bytes(np.asarray(bytes_VxB[v, :int(nb_V[v])])) == data
+            for k, want in bpe.merge_tables(tok).items():
+                np.testing.assert_array_equal(np.asarray(merges[k]), want)
+        assert bridge.merge_steps == max(bpe.search_steps(m["merge_start_V1"])
+                                         for m in (bridge.draft_merges, bridge.target_merges))
     else:
         for tok, bytes_VxB, nb_V, hash_H, hid_H in (
                 (draft, bridge.draft_bytes_VdxB, bridge.draft_nb_Vd, bridge.draft_hash_H, bridge.draft_hash_id_H),
@@ -229,7 +241,8 @@ def test_host_reference_against_device(pair):
     """FLy's host re-tokenizing and the device translation give the same bytes for whole-character
     text. Their ids differ where the target's BPE would segment differently: the table keeps the
     draft's token boundaries, greedy takes the longest vocabulary entry rather than following the
-    merge order, re-tokenizing runs the target's own pre-tokenizer and BPE. And where a token ends
+    merge order, re-tokenizing runs the target's own pre-tokenizer and BPE, which "bpe" runs on the
+    device (so there they are equal). And where a token ends
     mid-character, decoding to text turns the partial character into U+FFFD: the host path
     changes the bytes there, the device keeps them. The greedy device output equals its host
     simulation (`greedy_longest_match`, within the target's pre-tokenizer pieces) exactly."""
@@ -241,6 +254,10 @@ def test_host_reference_against_device(pair):
         dev, _, used, _ = _run(bridge, ids, 512, "d2t")
         assert used == len(ids)
         assert _bytes(target, dev) == _bytes(target, host) == text.encode()
+        if bridge.algorithm == "bpe":  # the target's own encoding, and back the draft's
+            assert dev == host == vb.encode_bytes(target, text.encode())
+            back, _, _, _ = _run(bridge, vb.encode_bytes(target, text.encode()), 512, "t2d")
+            assert back == vb.encode_bytes(draft, text.encode())
         if bridge.algorithm == "greedy":
             assert bridge.target_pieces == "gpt2" and bridge.draft_pieces == "gpt2-digits"
             assert dev == ref.greedy_longest_match(target, text.encode(), max_len=bridge.match_len, pieces="gpt2")
@@ -249,7 +266,10 @@ def test_host_reference_against_device(pair):
                                                     pieces="gpt2-digits")
         n_same += dev == host
         n_all += 1
-    assert n_same < n_all  # the tiny pair's merges differ: the two are not the same algorithm
+    if bridge.algorithm == "bpe":
+        assert n_same == n_all
+    else:
+        assert n_same < n_all  # the tiny pair's merges differ: the two are not the same algorithm
     # with the draft's own boundary inside a multi-byte character, only the device keeps the bytes
     emoji = vb.encode_bytes(draft, "🙂".encode())
     if len(emoji) > 1:
@@ -265,13 +285,14 @@ def test_host_reference_against_device(pair):
 def test_measure_and_bad_settings(tiny_pair):
     target, draft = tiny_pair
     m = ref.measure(draft, target, _texts(seed=3, n=10))
-    assert set(m) == {"per-token table", "greedy longest match, across pieces",
-                      "greedy longest match in pieces (default)", "re-tokenize text (FLy, host)"}
+    assert set(m) == {"per-token table", "greedy longest match, across pieces", "greedy longest match in pieces",
+                      "BPE merges in pieces (default)", "re-tokenize text (FLy, host)"}
     assert m["re-tokenize text (FLy, host)"]["whole text equal"] == 1.0  # canonical by construction
+    assert m["BPE merges in pieces (default)"]["whole text equal"] == 1.0  # its pieces are under the cap
     for row in m.values():
         assert 0 <= row["same position"] <= row["same span"] <= 1
-    with pytest.raises(ValueError, match="unknown translation algorithm 'bpe'"):
-        vb.build_bridge(target, draft, algorithm="bpe")
+    with pytest.raises(ValueError, match="unknown translation algorithm 'nope'"):
+        vb.build_bridge(target, draft, algorithm="nope")
     with pytest.raises(ValueError, match="match_len=0"):
         vb.build_bridge(target, draft, match_len=0)
 
@@ -280,7 +301,7 @@ def _leaves(bridge):
     return [np.asarray(a) for a in jax.tree_util.tree_leaves(bridge)]
 
 
-@pytest.mark.parametrize("algorithm", ["greedy", "table"])
+@pytest.mark.parametrize("algorithm", vb.ALGORITHMS)
 def test_tables_are_kept_on_disk_keyed_by_both_tokenizers(tiny_pair, tmp_path, monkeypatch, algorithm):
     """The first build writes the tables under the cache directory, a second reads them (the builder is
     not called), another tokenizer or algorithm gets another file, and what is read equals a fresh build."""
@@ -302,7 +323,7 @@ def test_tables_are_kept_on_disk_keyed_by_both_tokenizers(tiny_pair, tmp_path, m
     other.vocab_size += 1
     assert vb.cache_path(other, draft, algorithm) != path
     assert vb.cache_path(draft, target, algorithm) != path  # the direction matters
-    assert vb.cache_path(target, draft, "table" if algorithm == "greedy" else "greedy") != path
+    assert all(vb.cache_path(target, draft, other) != path for other in vb.ALGORITHMS if other != algorithm)
     assert vb.cache_path(Tokenizer.from_state(target.to_state()), draft, algorithm) == path  # same content
     monkeypatch.setattr(vb, "_build_arrays", build)
 
@@ -364,7 +385,7 @@ def test_smollm2_qwen_pair():
         pytest.skip("needs the SmolLM2 and Qwen2.5-Coder-0.5B GGUFs")
     qwen, smol = (Tokenizer.from_gguf(pathlib.Path(p)) for p in paths)
     bridge = vb.build_bridge(qwen, smol, target_name="qwen2.5-coder-0.5b", draft_name="smollm2-135m")
-    assert bridge.draft_nb_Vd.shape == (49152,) and bridge.target_nb_Vt.shape == (151936,)
+    assert bridge.algorithm == "bpe" and bridge.draft_nb_Vd.shape == (49152,) and bridge.target_nb_Vt.shape == (151936,)
     for name in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):  # ChatML and EOS shared by text
         assert int(bridge.d2t_special_Vd[smol.token_to_id(name)]) == qwen.token_to_id(name)
     assert int(bridge.d2t_special_Vd[smol.eos_token_id]) == qwen.token_to_id("<|im_end|>")
@@ -372,14 +393,18 @@ def test_smollm2_qwen_pair():
     ids = smol.encode(text)
     got, count, used, _ = _run(bridge, ids, 128, "d2t")
     assert used == len(ids) and qwen.decode(got) == text
-    assert got == ref.greedy_longest_match(qwen, text.encode(), max_len=bridge.match_len, pieces="qwen2")
+    assert got == vb.encode_bytes(qwen, text.encode())  # Qwen's own encoding of the bytes
     back, _, used, _ = _run(bridge, qwen.encode(text), 128, "t2d")
-    assert smol.decode(back) == text
+    assert back == vb.encode_bytes(smol, text.encode())
+    greedy = vb.build_bridge(qwen, smol, algorithm="greedy")
+    got, _, _, _ = _run(greedy, ids, 128, "d2t")
+    assert got == ref.greedy_longest_match(qwen, text.encode(), max_len=greedy.match_len, pieces="qwen2")
     chat = smol.chat_prompt_ids("Hi") + smol.encode("Hello!") + [smol.eos_token_id]
     got, _, used, _ = _run(bridge, chat, 128, "d2t")
     assert used == len(chat) and qwen.decode(got) == smol.decode(chat)
     m = ref.measure(smol, qwen, [text])
-    assert m["greedy longest match in pieces (default)"]["same span"] > 0.9  # 0.92 (33 of 36)
+    assert m["greedy longest match in pieces"]["same span"] > 0.9  # 0.92 (33 of 36)
+    assert m["BPE merges in pieces (default)"]["whole text equal"] == 1.0
     assert m["greedy longest match, across pieces"]["same span"] < 0.85  # 0.81: the indentation
 
 
@@ -387,15 +412,15 @@ def test_pieces_off_cuts_across_them(tiny_pair):
     """`pieces=False` (the ablation) re-cuts the whole buffer, as the simulation without pieces; with
     them the cut agrees with the target's own encoding at least as often on code."""
     target, draft = tiny_pair
-    off = vb.build_bridge(target, draft, cache=False, pieces=False)
-    on = vb.build_bridge(target, draft, cache=False)
+    off = vb.build_bridge(target, draft, algorithm="greedy", cache=False, pieces=False)
+    on = vb.build_bridge(target, draft, algorithm="greedy", cache=False)
     assert off.char_class_U is None and off.target_pieces == "none" and on.char_class_U.shape == (65536,)
     for text in CODE:
         ids = vb.encode_bytes(draft, text.encode())
         got, _, _, _ = _run(off, ids, 512, "d2t")
         assert got == ref.greedy_longest_match(target, text.encode(), max_len=off.match_len)
     m = ref.measure(draft, target, CODE)
-    assert (m["greedy longest match in pieces (default)"]["same span"]
+    assert (m["greedy longest match in pieces"]["same span"]
             > m["greedy longest match, across pieces"]["same span"])
 
 
