@@ -22,8 +22,9 @@ LEDGERS = {"completions": "completions.jsonl", "results": "humaneval_results.jso
            "logprob": "mtbench_logprob.jsonl", "speed": "speed.jsonl", "batches": "batches.jsonl",
            "reused": "reused.jsonl"}
 
-# settings added after runs were recorded without them: a missing one had this value
-_SETTING_DEFAULTS = {"matmul": "auto"}
+# settings added after runs were recorded without them: a missing one had this value (the runs
+# recorded before the adaptive loop existed verified K tokens every round)
+_SETTING_DEFAULTS = {"matmul": "auto", "adaptive": False}
 
 
 def _settings_changed(before: dict, now: dict) -> list[str]:

@@ -28,6 +28,7 @@ class Options:
     prompt_bucket: int
     matmul: str
     exec_timeout: float
+    adaptive: bool = True  # the draft length chosen per round (Engine's default); False: every round K
 
 
 def split_spec(spec: str) -> tuple[str, float | None]:
@@ -72,8 +73,9 @@ class Method:
             if draft is None:
                 raise app.UsageError(f"method spec {spec!r}: needs a drafter (--draft or draft=)")
         for part, new in max_new_tokens.items():
+            extra = {} if draft is None else {"adaptive": opts.adaptive}
             self.engines[part] = C.make_engine(target, draft, self.method, k, new, matmul=opts.matmul,
-                                               prompt_bucket=opts.prompt_bucket, **self.options)
+                                               prompt_bucket=opts.prompt_bucket, **extra, **self.options)
 
     def describe(self) -> dict:
         return {"spec": self.spec, "method": self.method, "draft": self.draft, "k": self.k,

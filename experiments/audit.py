@@ -36,7 +36,7 @@ have decoded. Batch-1 timings are never copied.
 
 A rerun with the same flags skips every (task, method) already there: a killed run loses at
 most the batch in flight (a cut-off last line is dropped). Settings that change outputs
-(model, draft, k, batch size, bucket, token limits, calibration files, matmul) are kept in
+(model, draft, k, batch size, bucket, token limits, calibration files, matmul, adaptive) are kept in
 OUTPUT_DIR/run.json and a rerun with other values is refused; methods and problem counts may
 grow between sittings. --time_budget_minutes stops starting new batches after that long
 (a sitting); the next run continues.
@@ -143,6 +143,9 @@ _MATMUL = flags.DEFINE_enum("matmul", "auto", ["auto", "native", "q8", "xla"],
                             "Matmul path of every engine (Engine(matmul=...)), target-only's too: auto keeps the "
                             "float32 model's logits; q8 rounds activations to int8 as llama.cpp does (about 2x "
                             "faster on CPUs with AVX512-VNNI; its exact speculation still equals its target-only).")
+_ADAPTIVE = flags.DEFINE_boolean("adaptive", True, "The adaptive loop (Engine's default: each round verifies "
+                                 "the draft prefix that pays for its width); --noadaptive verifies every "
+                                 "proposal whole, K tokens a round (the seeds' setting, for tables at a given K).")
 _SEED = flags.DEFINE_integer("bootstrap_seed", 0, "Seed of the bootstrap intervals.")
 _REUSE = flags.DEFINE_string("reuse_from", None, "Output directory of an earlier audit with the same settings "
                              "(its run.json must agree): the (task, method) completions it holds are copied "
@@ -158,7 +161,8 @@ flags.mark_flag_as_required("output_dir")
 
 def options() -> R.Options:
     return R.Options(model=_MODEL.value, draft=_DRAFT.value, k=_K.value, batch_size=_BATCH.value,
-                     prompt_bucket=_PROMPT_BUCKET.value, matmul=_MATMUL.value, exec_timeout=_TIMEOUT.value)
+                     prompt_bucket=_PROMPT_BUCKET.value, matmul=_MATMUL.value, exec_timeout=_TIMEOUT.value,
+                     adaptive=_ADAPTIVE.value)
 
 
 def run_settings() -> dict:
@@ -168,7 +172,7 @@ def run_settings() -> dict:
             "prompt_bucket": _PROMPT_BUCKET.value, "mtbench_max_new_tokens": _MT_NEW.value,
             "humaneval_max_new_tokens": _HE_NEW.value, "exec_timeout": _TIMEOUT.value,
             "csd_memory": F.csd_memory, "csd_capacity": F.csd_capacity, "asd_calibration": F.asd_calibration,
-            "matmul": _MATMUL.value}
+            "matmul": _MATMUL.value, "adaptive": _ADAPTIVE.value}
 
 
 def sandbox_self_check(problems):

@@ -109,10 +109,12 @@ def test_a_killed_audit_resumes_to_the_uninterrupted_result(env, whole, tmp_path
     assert lines(path) == got
 
     settings = json.loads((resumed / "run.json").read_text())
-    assert settings.pop("matmul") == "auto" and settings.pop("_crc32")
-    (resumed / "run.json").write_text(json.dumps(settings))  # as recorded before --matmul (and checksums) existed
+    assert settings.pop("matmul") == "auto" and settings.pop("adaptive") is True and settings.pop("_crc32")
+    # as recorded before --matmul, --adaptive (and checksums) existed: those runs verified K every round
+    (resumed / "run.json").write_text(json.dumps(settings))
     out, err = finish(audit(resumed, env, "--batch_size", "3", "--matmul", "q8"), ok=False)  # other settings
-    assert "other settings (--batch_size 2 -> 3; --matmul 'auto' -> 'q8')" in err and "Traceback" not in err
+    assert ("other settings (--batch_size 2 -> 3; --matmul 'auto' -> 'q8'; --adaptive False -> True)" in err
+            and "Traceback" not in err)
 
 
 def test_a_run_copies_what_an_earlier_run_with_the_same_settings_decoded(env, whole, tmp_path):
