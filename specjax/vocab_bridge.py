@@ -21,8 +21,8 @@ text), so a translation's bytes are always the source tokens' bytes.
   tokenizers of each pre-tokenizer kind and on SmolLM2 <-> Qwen2.5: all 164 HumanEval prompts with
   solutions, both directions, have pieces of at most 36 bytes). Tables: each side's token bytes,
   merges in a CSR layout and a class per character of the Basic Multilingual Plane (27.0 MiB for
-  SmolLM2 <-> Qwen2.5, most of it the token bytes). On CPU a K = 15 proposal takes 0.86 ms, the
-  greedy re-cut 1.00 ms.
+  SmolLM2 <-> Qwen2.5, most of it the token bytes). Batched over 8 rows on a 2-core CPU it costs
+  1.4-2.2 ms per translation, greedy 0.6-1.2 ms (`python -m experiments.cross_vocab_reference --cost`).
 - `"greedy"`: the bytes re-cut left to right into the longest destination tokens of at most
   `match_len` (32) bytes that stay inside one piece. Each of the C output steps hashes every prefix
   of the next 32 bytes, finds the hashes with `jnp.searchsorted` in a sorted table of the
