@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-_FEED_BUCKETS = (16, 64, 256, 1024, 4096)
+_FEED_BUCKETS = (1, 16, 64, 256, 1024, 4096)  # 1: a draft step feeds one token
 
 
 def _bucket(n: int) -> int:
@@ -55,8 +55,15 @@ class HostReference:
 
         if engine.temperature != 0.0:
             raise ValueError("the host reference is greedy: build the engine with temperature=0")
+        from specjax import native
+
         self.engine, self.draft, self.k = engine, draft, int(k)
         self.t_tok, self.d_tok = engine.target.tokenizer, draft.tokenizer
+        # both models run as the engine runs them: its (packed) target params and its kernels, the
+        # draft's params packed the same way, so that the speed compared is the host loop's alone
+        self.t_params = engine.params.target
+        self.d_params = draft.params if engine.backend.matmul == "xla" else native.pack_params(
+            draft.params, draft.dtype, engine.backend.matmul == "q8")
         self.d_eos = set(int(e) for e in draft.eos_token_ids)
 
         def at(model, backend):
@@ -68,13 +75,24 @@ class HostReference:
             return run
 
         self._t_last = at(engine.target, engine.backend)
-        self._d_last = at(draft, None)
+        self._d_last = at(draft, engine.backend)
 
         @jax.jit
         def score(params, tokens_1R, cache):
             return llama.forward_cached(engine.target.config, params, tokens_1R, cache, dtype=engine.target.dtype,
                                         backend=engine.backend)
         self._t_score = score
+
+        @jax.jit
+        def verify(rule_state, drafts_1K, logits_1RV, num_draft_1, key):
+            return engine.rule(rule_state, drafts_1K, logits_1RV, num_draft_B=num_draft_1, key=key,
+                               active_B=jax.numpy.array([True]), draft_probs_BKV=None, temperature=0.0,
+                               backend=engine.backend)
+        self._verify = verify
+
+    def compiled(self) -> int:
+        """How many programs its jitted steps have traced (it grows when a call compiles one)."""
+        return sum(f._cache_size() for f in (self._t_last, self._d_last, self._t_score, self._verify))
 
     def generate(self, prompt_ids: Sequence[int], draft_prompt_ids: Sequence[int], max_new_tokens: int):
         """(the target's new token ids, the number of rounds: the target's verifying forwards), batch 1."""
@@ -87,7 +105,7 @@ class HostReference:
         P = len(prompt_ids)
         S = _bucket(P) + max_new_tokens + K + 2
         t_cache = llama.init_cache(e.target.config, 1, S, e.target.dtype)
-        first, t_cache = self._feed(self._t_last, e.target.params, t_cache, 0, list(prompt_ids))
+        first, t_cache = self._feed(self._t_last, self.t_params, t_cache, 0, list(prompt_ids))
         out = [int(jnp.argmax(first))]
         L = P  # the target's cached positions; out[-1] is pending
         self._d_cache, self._d_cached = None, []
@@ -100,13 +118,11 @@ class HostReference:
             fed = np.zeros((1, K + 1), np.int32)
             fed[0, 0] = out[-1]
             fed[0, 1:1 + len(proposal)] = proposal
-            logits_1RV, t_cache = self._t_score(e.target.params, fed, t_cache._replace(lengths=jnp.array([L], jnp.int32)))
+            logits_1RV, t_cache = self._t_score(self.t_params, fed, t_cache._replace(lengths=jnp.array([L], jnp.int32)))
             drafts = np.zeros((1, K), np.int32)
             drafts[0, :len(proposal)] = proposal
-            verdict, rule_state, _ = e.rule(rule_state, jnp.asarray(drafts), logits_1RV,
-                                            num_draft_B=jnp.array([len(proposal)], jnp.int32),
-                                            key=jax.random.PRNGKey(rounds), active_B=jnp.array([True]),
-                                            draft_probs_BKV=None, temperature=0.0, backend=e.backend)
+            verdict, rule_state, _ = self._verify(rule_state, drafts, logits_1RV,
+                                                  np.array([len(proposal)], np.int32), jax.random.PRNGKey(rounds))
             n, nxt = int(verdict.num_accepted[0]), int(verdict.next_token[0])
             out += proposal[:n] + [nxt]
             L += n + 1
@@ -131,14 +147,14 @@ class HostReference:
         if len(d_ctx) + K + 1 > self._d_cache.k.shape[2]:
             raise ValueError("the draft's context outgrew its cache (its ids are many more than the target's)")
         keep = min(_common_prefix(self._d_cached, d_ctx), len(d_ctx) - 1)  # the cache's shared prefix
-        logits, cache = self._feed(self._d_last, self.draft.params, self._d_cache, keep, d_ctx[keep:])
+        logits, cache = self._feed(self._d_last, self.d_params, self._d_cache, keep, d_ctx[keep:])
         proposal_d, cached = [], d_ctx[:]
         while True:
             g = int(jnp.argmax(logits))
             proposal_d.append(g)
             if g in self.d_eos or len(proposal_d) == K:
                 break
-            logits, cache = self._feed(self._d_last, self.draft.params, cache, len(cached), [g])
+            logits, cache = self._feed(self._d_last, self.d_params, cache, len(cached), [g])
             cached.append(g)
         self._d_cache, self._d_cached = cache, cached
         text = self.d_tok.decode(proposal_d).rstrip("\ufffd")  # a character cut by the K-th token
