@@ -53,7 +53,7 @@ def byte_encoder() -> dict[int, str]:
     return {b: c for c, b in byte_decoder().items()}
 
 
-def merge_tables(tok, byte_token_256: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def merge_tables(tok) -> dict[str, np.ndarray]:
     """Host: the merges of a byte-level BPE `specjax.models.Tokenizer` as device tables.
 
     byte_tok_256: the id of each single byte's token (-1: the vocabulary lacks that byte);
@@ -78,10 +78,8 @@ def merge_tables(tok, byte_token_256: np.ndarray | None = None) -> dict[str, np.
     order = np.lexsort((np.asarray(right, np.int64), left_M))
     start = np.zeros(V + 1, np.int64)
     np.add.at(start, left_M + 1, 1)
-    if byte_token_256 is None:
-        enc = byte_encoder()
-        byte_token_256 = np.asarray([vocab.get(enc[b], -1) for b in range(256)], np.int32)
-    return dict(byte_tok_256=np.asarray(byte_token_256, np.int32),
+    enc = byte_encoder()
+    return dict(byte_tok_256=np.asarray([vocab.get(enc[b], -1) for b in range(256)], np.int32),
                 merge_start_V1=np.cumsum(start).astype(np.int32),
                 merge_right_M=np.asarray(right, np.int32)[order],
                 merge_rank_M=np.asarray(rank, np.int32)[order],
@@ -130,13 +128,18 @@ def _lookup(a_J, b_J, start_V1, right_M, rank_M, id_M, steps: int):
     return found, rank_M[at], id_M[at]
 
 
+def buffer_padding(piece_cap: int, chunk: int) -> int:
+    """The slots of -1 that `encode` needs past the text: a chunk, and a piece's look past it."""
+    return chunk + piece_cap + 4
+
+
 def encode(buf_S: jax.Array, total: jax.Array, cap: int, tables, *, steps: int, pieces: str = "none",
            class_U=None, piece_cap: int = 32, chunk: int = 128):
     """One row: the bytes buf_S[:total] (values 0..255; a special token is one slot 256 + its
     destination id, its own piece) -> (out_C, count, end): the first `count` <= C = `cap` ids of the
     encoding, and the byte position where they end.
 
-    buf_S must hold at least `chunk + piece_cap + 4` slots of -1 past `total`. tables: a mapping
+    buf_S must hold at least `buffer_padding(piece_cap, chunk)` slots of -1 past `total`. tables: a mapping
     with `merge_tables`' arrays (device). pieces: the pre-tokenizer (`pretokenize.KINDS`; "none":
     pieces of `piece_cap` bytes), with class_U its character classes. A piece longer than
     `piece_cap` bytes is cut there (as `tokenizers` would not: keep the cap above the text's pieces).

@@ -593,7 +593,7 @@ def bpe_encode(ids_N: jax.Array, n: jax.Array, src_bytes_VxB, src_nb_V, src_spec
     tokens whose bytes the output covers whole."""
     chunk = max(128, 2 * match_len)
     buf_S, total, live_N, end_N = _byte_buffer(ids_N, n, src_bytes_VxB, src_nb_V, src_special_V,
-                                               chunk + match_len + 4)
+                                               bpe.buffer_padding(match_len, chunk))
     byte_tok = dst_merges["byte_tok_256"][jnp.clip(buf_S, 0, 255)]
     lacking_S = (buf_S >= 0) & (buf_S < 256) & (byte_tok < 0)
     total = jnp.minimum(total, jnp.min(jnp.where(lacking_S, jnp.arange(buf_S.shape[0]), total)))

@@ -53,17 +53,17 @@ def _device(kind, piece_cap=64, chunk=128):
     dev = {k: jnp.asarray(v) for k, v in tables.items()}
     steps = bpe.search_steps(tables["merge_start_V1"])
     cls = jnp.asarray(pretokenize.char_classes())
-    fn = jax.jit(lambda buf, total, cap_: bpe.encode(buf, total, CAP, dev, steps=steps, pieces=kind, class_U=cls,
-                                                     piece_cap=piece_cap, chunk=chunk))
+    fn = jax.jit(lambda buf, total: bpe.encode(buf, total, CAP, dev, steps=steps, pieces=kind, class_U=cls,
+                                               piece_cap=piece_cap, chunk=chunk))
     return tok, tables, fn
 
 
 def _encode(kind, values, *, piece_cap=64, chunk=128, total=None):
     """bpe.encode of a list of slot values (bytes, or 256 + id for a special) -> (ids, end)."""
     tok, _, fn = _device(kind, piece_cap, chunk)
-    buf = np.full(S + chunk + piece_cap + 4, -1, np.int32)
+    buf = np.full(S + bpe.buffer_padding(piece_cap, chunk), -1, np.int32)
     buf[:len(values)] = values
-    out, count, end = fn(jnp.asarray(buf), jnp.int32(len(values) if total is None else total), 0)
+    out, count, end = fn(jnp.asarray(buf), jnp.int32(len(values) if total is None else total))
     return [int(t) for t in np.asarray(out)[:int(count)]], int(end)
 
 
@@ -174,7 +174,7 @@ def test_vmap_ragged_rows():
     kind = "gpt2-digits"
     tok = _tok(kind)
     texts = [b"x = 12345", b"", b"def f():\n    pass\n", "中文 🙂 é".encode()]
-    rows = np.full((len(texts), 64 + 128 + 68), -1, np.int32)
+    rows = np.full((len(texts), 64 + bpe.buffer_padding(32, 128)), -1, np.int32)
     for i, t in enumerate(texts):
         rows[i, :len(t)] = list(t)
     tables, steps, cls = _device_tables(kind), _steps(kind), jnp.asarray(pretokenize.char_classes())
