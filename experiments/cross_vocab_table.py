@@ -11,7 +11,8 @@ the width policy's), batch 1:
     same           a draft of the target's own family (--same_draft; not when it is the target)
     pld            prompt lookup
 
-and target-only decoding first. Every measurement is a line of OUTPUT_DIR/measurements.jsonl, written as
+and target-only decoding first. A call that compiled a program is made again and timed the second
+time (greedy: the same tokens). Every measurement is a line of OUTPUT_DIR/measurements.jsonl, written as
 it is made: the same command resumes. The table (printed, and OUTPUT_DIR/table.md) gives per target, K
 and rule: tau over all prompts (tokens from rounds / rounds), the median over prompts of tokens/s over
 target-only's, exact's outputs equal to target-only's, and the on-device tau over the best of host and
