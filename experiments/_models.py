@@ -14,7 +14,7 @@ import functools
 
 from absl import app
 
-from specjax import drafters, models
+from specjax import cross_draft, drafters, models, vocab_bridge
 from specjax.models import feature_draft
 
 from experiments import _cli
@@ -89,7 +89,8 @@ def resolve_draft(spec: str | None, target_spec: str):
 
 
 def draft_model(spec: str | None, target: models.Model) -> models.Model:
-    """A draft that can be teacher-forced (calibration): a model spec or self:N."""
+    """A draft model for calibration: a model spec or self:N (one of another vocabulary is driven
+    through its exact rounds instead of teacher-forced: experiments/_rounds.py)."""
     if spec is None or spec.lower() in ("", "none", "pld") or spec.startswith("pld+"):
         raise app.UsageError(f"--draft {spec!r}: calibration needs a draft model (a preset, a checkpoint, "
                              f"{RANDOM}[:SEED] or self:N), not prompt lookup")
@@ -100,7 +101,11 @@ def draft_model(spec: str | None, target: models.Model) -> models.Model:
             raise app.UsageError(f"--draft {spec!r}: {e}") from None
     draft = load_model(spec)
     try:
-        drafters.check_vocab(target, draft)
+        if cross_draft.same_vocab(target, draft):
+            drafters.check_vocab(target, draft)
+        else:  # another vocabulary: its rounds are run, translated (experiments/_rounds.py)
+            vocab_bridge.check_bridgeable(target.tokenizer, draft.tokenizer, target_name=target.name or spec,
+                                          draft_name=draft.name or spec)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
     return draft

@@ -72,7 +72,7 @@ def main(argv):
     ids = C.encode(target.tokenizer, texts, FLAGS.chat)
     forced = R.calibration_data(target, draft, ids, target_spec=FLAGS.model, draft_spec=FLAGS.draft,
                                 max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size,
-                                bucket=FLAGS.bucket, cache_dir=FLAGS.cache_dir)
+                                bucket=FLAGS.bucket, k=_K.value, cache_dir=FLAGS.cache_dir)
     values, rounds_per_request, cut, mismatch_rounds, zero_regret = [], [], 0, 0, 0
     for (seq, t_Q, d_Q, regret_Q), p in zip(forced, ids):
         end = R.consistent_end(t_Q, seq, len(p))

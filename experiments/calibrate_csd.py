@@ -11,7 +11,10 @@ models are teacher-forced on each prompt + continuation (`Model.logits`, one
 forward each). At every position the draft would draft at, the draft's argmax d
 and the target's argmax t are compared, and each disagreement counts one for the
 pair (d, t). `--positions rounds` counts only what exact speculative decoding with
-K drafts examines: the first mismatch of each round. Only the token pairs and
+K drafts examines: the first mismatch of each round. A draft of another vocabulary (its
+proposals translated into the target's ids, docs/cross_vocab.md) cannot be teacher-forced on the
+target's ids: its exact rounds at --k are run instead, and "every position" is every position
+those rounds drafted. Only the token pairs and
 their counts are saved (orbax: pairs int32[P, 2], counts int32[P], capacity), so
 the memory does not depend on the hash table's layout; `--csd_memory DIR` loads it
 in every binary. More distinct pairs than --capacity keep the most frequent ones.
@@ -63,6 +66,7 @@ def count_pairs(forced: list[R.Forced], prompt_lens, positions: str, k: int):
         truncated += end < len(seq) - 1
         if positions == "all":
             q = np.arange(prompt_len, end)
+            q = q[d_Q[q] >= 0]  # -1: not drafted (a draft of another vocabulary, `R.RoundDriver`)
             compared += len(q)
         else:
             rounds = R.exact_rounds(t_Q, d_Q, prompt_len, end, k)
@@ -103,7 +107,7 @@ def main(argv):
     ids = C.encode(tok, calib, FLAGS.chat)
     forced = R.calibration_data(target, draft, ids, target_spec=FLAGS.model, draft_spec=FLAGS.draft,
                                 max_new_tokens=FLAGS.max_new_tokens, batch_size=FLAGS.batch_size,
-                                bucket=FLAGS.bucket, cache_dir=FLAGS.cache_dir)
+                                bucket=FLAGS.bucket, k=_K.value, cache_dir=FLAGS.cache_dir)
     R.stage("counting the pairs")
     pairs, counts, summary = count_pairs(forced, [len(p) for p in ids], _POSITIONS.value, _K.value)
     if len(pairs) > _CAPACITY.value:

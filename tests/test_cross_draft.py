@@ -68,6 +68,20 @@ def test_every_rule_runs(pair, prompts, method, temperature):
     assert all(0 <= t < target.config.vocab_size for row in out.tokens for t in row)
 
 
+def test_a_loose_rule_keeps_translated_drafts_that_exact_rejects(pair, prompts):
+    """The rule's options reach the cross-vocabulary loop: FLy with no window and no entropy floor passes
+    every mismatch of the random draft, so it keeps more tokens a round than exact and changes the
+    output; the loose count says why."""
+    target, draft = pair
+    base = specjax.Engine(target, max_new_tokens=12, eos_ids=()).generate(prompts).tokens
+    kw = dict(draft=draft, k=3, max_new_tokens=12, eos_ids=(), adaptive=False)
+    exact = specjax.Engine(target, method="exact", **kw).generate(prompts)
+    loose = specjax.Engine(target, method="fly", theta=0.0, window=0, **kw).generate(prompts)
+    assert exact.tokens == base and exact.stats["loose"] == 0
+    assert loose.stats["loose"] > 0 and loose.stats["tau"] > exact.stats["tau"]
+    assert loose.tokens != base
+
+
 def test_the_draft_context_follows_the_committed_text_and_proposals_continue_it(pair, prompts):
     """Driving the drafter by hand: after every round the draft's ids spell exactly the target's committed
     bytes, and the proposal spells the draft model's own greedy continuation of them (a prefix of it),
@@ -291,3 +305,32 @@ def test_the_memory_check_counts_the_drafts_cache_as_allocated(pair, prompts, mo
     # the memory report (AOT planning) counts the same cache
     cache = jax.eval_shape(lambda: state.cache)
     assert memory_report(engine, B, max_len)["draft_cache"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def test_calibration_runs_the_exact_rounds_of_a_draft_of_another_vocabulary(pair, prompts):
+    """experiments/_rounds.RoundDriver (CSD/ASD calibration with a draft that cannot be teacher-forced on
+    the target's ids): the rounds it reconstructs along the target's greedy sequence are the Engine's
+    exact rounds, one for one; the drafted positions hold translated drafts, the rest -1 with no regret."""
+    from experiments import _rounds as R
+
+    target, draft = pair
+    K, new = 3, 12
+    base = specjax.Engine(target, max_new_tokens=new, eos_ids=()).generate(prompts).tokens
+    spec = specjax.Engine(target, draft=draft, method="exact", k=K, max_new_tokens=new, eos_ids=(),
+                          adaptive=False).generate(prompts)
+    driver = R.RoundDriver(target, draft, K, bucket=32)
+    compared = 0
+    for p, toks, engine_rounds in zip(prompts, base, spec.stats["rounds_per_request"]):
+        seq = list(p) + list(toks)
+        t_Q, d_Q, regret_Q = R.argmax_and_regret(target, draft, seq, 32, driver=driver, start=len(p))
+        end = R.consistent_end(t_Q, seq, len(p))
+        assert np.all(d_Q[:len(p)] == -1) and np.all(regret_Q[d_Q < 0] == 0)
+        assert np.all((d_Q >= -1) & (d_Q < target.config.vocab_size)) and np.all(regret_Q >= 0)
+        drafted = np.flatnonzero(d_Q >= 0)
+        assert len(drafted) > 0
+        if end == len(seq) - 1:  # the teacher-forced target agrees with the decode (no near tie)
+            rounds = R.exact_rounds(t_Q, d_Q, len(p), end, K)
+            assert len(rounds) == engine_rounds
+            assert new - 1 <= sum(r.b + 1 for r in rounds) <= new  # after the prefill's token (the last may overshoot)
+            compared += 1
+    assert compared >= 2

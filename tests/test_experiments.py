@@ -153,6 +153,11 @@ def test_exact_rounds_from_teacher_forcing():
     # L=2: d5 ok, mismatch at 3 -> b=1; L=4: ok, mismatch at 5 -> b=1; L=6: mismatch -> b=0;
     # L=7: 1,2 ok -> b=2; L=10: ok, then the sequence ends -> b=1, no mismatch
     assert [tuple(r) for r in rounds] == [(2, 1, True), (4, 1, True), (6, 0, True), (7, 2, False), (10, 1, False)]
+    # -1 (a draft of another vocabulary drafted nothing there) ends the round without a mismatch
+    d[4], d[8] = -1, -1
+    rounds = R.exact_rounds(t, d, start=2, end=11, k=2)
+    assert [tuple(r) for r in rounds] == [(2, 1, True), (4, 0, False), (5, 0, True), (6, 0, True), (7, 1, False),
+                                          (9, 0, True), (10, 1, False)]
 
 
 def test_calibrate_asd_follows_the_published_procedure(env, tmp_path):
