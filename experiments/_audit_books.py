@@ -24,7 +24,7 @@ LEDGERS = {"completions": "completions.jsonl", "results": "humaneval_results.jso
 
 # settings added after runs were recorded without them: a missing one had this value (the runs
 # recorded before the adaptive loop existed verified K tokens every round)
-_SETTING_DEFAULTS = {"matmul": "auto", "adaptive": False}
+_SETTING_DEFAULTS = {"matmul": "auto", "adaptive": False, "temperature": 0.0, "seed": 0}
 
 
 def _settings_changed(before: dict, now: dict) -> list[str]:

@@ -29,6 +29,8 @@ class Options:
     matmul: str
     exec_timeout: float
     adaptive: bool = True  # the draft length chosen per round (Engine's default); False: every round K
+    temperature: float = 0.0  # every method's, target-only included (0: greedy)
+    seed: int = 0  # the Engine's sampling seed
 
 
 def split_spec(spec: str) -> tuple[str, float | None]:
@@ -75,7 +77,8 @@ class Method:
         for part, new in max_new_tokens.items():
             extra = {} if draft is None else {"adaptive": opts.adaptive}
             self.engines[part] = C.make_engine(target, draft, self.method, k, new, matmul=opts.matmul,
-                                               prompt_bucket=opts.prompt_bucket, **extra, **self.options)
+                                               prompt_bucket=opts.prompt_bucket, temperature=opts.temperature,
+                                               seed=opts.seed, **extra, **self.options)
 
     def describe(self) -> dict:
         return {"spec": self.spec, "method": self.method, "draft": self.draft, "k": self.k,

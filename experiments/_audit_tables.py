@@ -86,8 +86,10 @@ def _f(x, d=3):
 def markdown(parts: list[Part], summaries: dict, wall: float, settings: dict, machine: str) -> str:
     """audit.md: one table of quality and speed and one of cost per part."""
     batch = settings["batch_size"]
+    sampled = (f"; sampled at T = {settings['temperature']:g}, seed {settings['seed']}"
+               if settings.get("temperature") else "")
     out = [f"Audit: target {settings['model']}, default draft {settings['draft']}, k {settings['k']}, batch {batch}, "
-           f"prompt bucket {settings['prompt_bucket']}, matmul {settings['matmul']}; {machine}; "
+           f"prompt bucket {settings['prompt_bucket']}, matmul {settings['matmul']}{sampled}; {machine}; "
            f"this sitting {wall / 60:.1f} min.", ""]
     for part in parts:
         rows = summaries[part.name]

@@ -11,7 +11,9 @@ Methods are given as specs, `--method NAME[:option=value,...]` (repeat the flag)
 multiplies the budget it would otherwise have (a Pareto sweep around a calibration).
 --csd_memory and --asd_calibration fill in csd's memory and asd's budget, gate, block cap
 and suffix (a spec's own options win). Target-only greedy decoding is always the reference
-and is itself a method (`target-only`) in every output file.
+and is itself a method (`target-only`) in every output file. `--temperature T --seed S` samples
+instead, every method and target-only alike (exact is then lossless speculative sampling; a
+rule that cannot sample is refused): one run per seed, pass@1 of samples against target-only's.
 
 Quality (batched). Each part's prompts (MT-Bench first turns, then HumanEval chat requests,
 in file / task-id order) are cut into fixed batches of --batch_size consecutive prompts;
@@ -36,7 +38,8 @@ have decoded. Batch-1 timings are never copied.
 
 A rerun with the same flags skips every (task, method) already there: a killed run loses at
 most the batch in flight (a cut-off last line is dropped). Settings that change outputs
-(model, draft, k, batch size, bucket, token limits, calibration files, matmul, adaptive) are kept in
+(model, draft, k, batch size, bucket, token limits, calibration files, matmul, adaptive,
+temperature, seed) are kept in
 OUTPUT_DIR/run.json and a rerun with other values is refused; methods and problem counts may
 grow between sittings. --time_budget_minutes stops starting new batches after that long
 (a sitting); the next run continues.
@@ -108,7 +111,7 @@ import time
 
 from absl import app, flags, logging
 
-from specjax import models
+from specjax import models, verify
 
 from experiments import _audit_books as B, _audit_run as R, _audit_tables as T, _common as C, _humaneval as H
 from experiments import _paths
@@ -147,6 +150,10 @@ _ADAPTIVE = flags.DEFINE_boolean("adaptive", True, "The adaptive loop (Engine's 
                                  "the draft prefix that pays for its width); --noadaptive verifies every "
                                  "proposal whole, K tokens a round (the seeds' setting, for tables at a given K).")
 _SEED = flags.DEFINE_integer("bootstrap_seed", 0, "Seed of the bootstrap intervals.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Sampling temperature of every method, target-only "
+                                  "included (0: greedy). At T > 0 exact is lossless speculative sampling; a "
+                                  "rule that cannot sample is refused before anything loads.")
+_SAMPLE_SEED = flags.DEFINE_integer("seed", 0, "The Engine's sampling seed (T > 0): one run per seed.")
 _REUSE = flags.DEFINE_string("reuse_from", None, "Output directory of an earlier audit with the same settings "
                              "(its run.json must agree): the (task, method) completions it holds are copied "
                              "instead of decoded again, e.g. a sweep's target-only and default points from a "
@@ -162,7 +169,7 @@ flags.mark_flag_as_required("output_dir")
 def options() -> R.Options:
     return R.Options(model=_MODEL.value, draft=_DRAFT.value, k=_K.value, batch_size=_BATCH.value,
                      prompt_bucket=_PROMPT_BUCKET.value, matmul=_MATMUL.value, exec_timeout=_TIMEOUT.value,
-                     adaptive=_ADAPTIVE.value)
+                     adaptive=_ADAPTIVE.value, temperature=_TEMPERATURE.value, seed=_SAMPLE_SEED.value)
 
 
 def run_settings() -> dict:
@@ -172,7 +179,8 @@ def run_settings() -> dict:
             "prompt_bucket": _PROMPT_BUCKET.value, "mtbench_max_new_tokens": _MT_NEW.value,
             "humaneval_max_new_tokens": _HE_NEW.value, "exec_timeout": _TIMEOUT.value,
             "csd_memory": F.csd_memory, "csd_capacity": F.csd_capacity, "asd_calibration": F.asd_calibration,
-            "matmul": _MATMUL.value, "adaptive": _ADAPTIVE.value}
+            "matmul": _MATMUL.value, "adaptive": _ADAPTIVE.value, "temperature": _TEMPERATURE.value,
+            "seed": _SAMPLE_SEED.value}
 
 
 def sandbox_self_check(problems):
@@ -201,13 +209,20 @@ def check_flags(argv) -> list[str]:
                  "batch_size"):
         if flags.FLAGS[name].value <= 0:
             raise app.UsageError(f"--{name} must be positive")
+    if not 0 <= _TEMPERATURE.value < float("inf"):  # NaN fails too
+        raise app.UsageError(f"--temperature must be a number >= 0, got {_TEMPERATURE.value}")
     if _HE_N.value > 164:
         raise app.UsageError("--humaneval_problems: HumanEval has 164 problems")
     if _MT_N.value > 80:
         raise app.UsageError("--mtbench_questions: MT-Bench has 80 questions")
     specs = list(dict.fromkeys(s for s in _METHOD.value if s != REFERENCE))
     for s in specs:
-        C.parse_method_spec(R.split_spec(s)[0])
+        name = C.parse_method_spec(R.split_spec(s)[0])[0]
+        rule = verify.rule(name)
+        if _TEMPERATURE.value > 0 and not (rule.sampling or isinstance(rule, verify.Greedy)):
+            raise app.UsageError(f"--temperature {_TEMPERATURE.value:g}: method {s!r} is a temperature-0 rule "
+                                 "(these sample: " + ", ".join(m for m in verify.METHODS if verify.rule(m).sampling
+                                                                or m in ("exact", "greedy")) + ")")
     for name in ("asd_calibration", "csd_memory"):  # before run.json records them as this run's settings
         given = flags.FLAGS[name].value
         if given and not os.path.exists(given):

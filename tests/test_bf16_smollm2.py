@@ -28,6 +28,7 @@ def smollm2_bf16():
 
 
 @pytest.mark.parity
+@pytest.mark.heavy  # about 35 s on CI; tests/test_bf16.py checks bf16 on random models in CI
 def test_bf16_parity_with_transformers(smollm2_bf16):
     """Ours in bf16 against transformers in bf16 and in float32 (relative to the largest logit)."""
     import torch

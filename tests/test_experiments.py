@@ -76,6 +76,9 @@ BAD_FLAGS = [
     ("calibrate_asd", [*TINY, "--draft", "pld", "--output", "/tmp/x"], "calibration needs a draft model"),
     ("sweep", ["--output_dir", "/tmp/x", "--thetas", "a,b"], "--thetas must be a comma list"),
     ("audit", ["--output_dir", "/tmp/x", "--method", "fly:bogus=1"], "unknown option 'bogus'"),
+    ("audit", ["--output_dir", "/tmp/x", "--temperature", "1", "--method", "fly", "--method", "asd"],
+     "--temperature 1: method 'asd' is a temperature-0 rule"),
+    ("audit", ["--output_dir", "/tmp/x", "--temperature", "-0.5"], "--temperature must be a number >= 0"),
     ("audit", ["--output_dir", "/tmp/specjax-audit-absent-calibration", "--asd_calibration", "/nonexistent/asd.json"],
      "--asd_calibration /nonexistent/asd.json: no such file or directory"),
 ]
@@ -237,6 +240,26 @@ def test_audit_table_with_sandboxed_pass_at_1(env, tmp_path):
     assert sorted((r["task_id"], r["method"]) for r in lines) == sorted(
         (t, m) for t in ("MT-Bench/0", "HumanEval/0") for m in ("target-only", "exact", "fly:theta=0.5,window=1"))
     assert (tmp_path / "audit.md").read_text().startswith("Audit:")
+
+
+@pytest.mark.heavy  # two audits side by side, about 40 s
+def test_audit_samples_at_a_temperature_one_run_per_seed(env, tmp_path):
+    args = [*TINY, "--draft", "self:1", "--method", "exact", "--method", "fly", "--mtbench_questions", "1",
+            "--mtbench_max_new_tokens", "8", "--humaneval_problems", "0", "--temperature", "1"]
+    runs = _pairs([0, 1], lambda seed: start("audit", [*args, "--seed", str(seed), "--output_dir",
+                                                       str(tmp_path / str(seed))], env))
+    assert all(code == 0 for code, _, _ in runs), runs
+    tokens = {}
+    for seed in (0, 1):
+        settings = json.loads((tmp_path / str(seed) / "run.json").read_text())
+        assert settings["temperature"] == 1.0 and settings["seed"] == seed
+        for line in (tmp_path / str(seed) / "completions.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            tokens[seed, r["method"]] = r["tokens"]
+    assert tokens[0, "target-only"] != tokens[1, "target-only"]  # sampled, not greedy
+    assert "sampled at T = 1, seed 1" in (tmp_path / "1" / "audit.md").read_text()
+    code, _, err = run("audit", [*args, "--seed", "1", "--output_dir", str(tmp_path / "0")], env, ok=False)
+    assert code != 0 and "--seed 0 -> 1" in err
 
 
 def test_humaneval_sandbox_and_completion_extraction():
