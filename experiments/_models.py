@@ -104,7 +104,7 @@ def draft_model(spec: str | None, target: models.Model) -> models.Model:
         if cross_draft.same_vocab(target, draft):
             drafters.check_vocab(target, draft)
         else:  # another vocabulary: its rounds are run, translated (experiments/_rounds.py)
-            vocab_bridge.check_bridgeable(target.tokenizer, draft.tokenizer, target_name=target.name or spec,
+            vocab_bridge.check_bridgeable(target.tokenizer, draft.tokenizer, target_name=target.name or "the target",
                                           draft_name=draft.name or spec)
     except ValueError as e:
         raise app.UsageError(str(e)) from None

@@ -135,11 +135,10 @@ class RoundDriver:
         prompt[0, :start] = seq[:start]
         state = self._init(self.params, jnp.asarray(prompt), jnp.asarray([start], np.int32), S)
         buf = np.zeros((1, S), np.int32)
-        buf[0, :start + 1] = seq[:start + 1]
         d_Q = np.full(T, -1, np.int32)
         L = start
         while L < T - 1:
-            buf[0, :L + 1] = seq[:L + 1]
+            buf[0, :L + 1] = seq[:L + 1]  # what the rounds committed: the pending token at L last
             ids, num, _, state = self._propose(self.params, state, jnp.asarray(buf), jnp.asarray([L], np.int32))
             ids, num = np.asarray(ids[0]), int(num[0])
             b = 0
