@@ -14,9 +14,10 @@ the width policy's), batch 1:
 and target-only decoding first. A call that compiled a program is made again and timed the second
 time (greedy: the same tokens). Every measurement is a line of OUTPUT_DIR/measurements.jsonl, written as
 it is made: the same command resumes. The table (printed, and OUTPUT_DIR/table.md) gives per target, K
-and rule: tau over all prompts (tokens from rounds / rounds), the median over prompts of tokens/s over
-target-only's, exact's outputs equal to target-only's, and the on-device tau over the best of host and
-transformers (the goal: >= 0.9).
+and rule: tau over all prompts (tokens from verifications / verifications, summed over prompts, for
+every drafter), the median over prompts of tokens/s over target-only's, exact's outputs equal to
+target-only's, and the on-device tau over the best of host and transformers on the prompts both have
+(the goal: >= 0.9).
 
     python experiments/cross_vocab_table.py --output_dir experiments/results/cross_vocab_table
     python experiments/cross_vocab_table.py --num_humaneval 2 --num_mtbench 2 --ks 8 --max_new_tokens 32 \
@@ -195,8 +196,9 @@ def main(argv):
     dates = sorted({l["date"] for l in lines}) or [datetime.date.today().isoformat()]
     parts = [f"# Drafts of another family: {_CROSS.value} for {', '.join(_TARGETS.value)}", "",
              f"{lines[0]['machine'] if lines else _cli.machine()}; {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}; "
-             f"up to {_NEW.value} new tokens, greedy, fixed K, batch 1. tau: tokens from rounds / rounds over all "
-             "prompts (transformers: new tokens / the target's forward calls, mean over prompts)."]
+             f"up to {_NEW.value} new tokens, greedy, fixed K, batch 1. tau: tokens from verifications / the "
+             "target's verifications, each summed over the prompts (specjax: its rounds; transformers: its "
+             "forward calls, the first of which also verifies)."]
     for target in _TARGETS.value:
         parts += ["", f"## {target}", "", table(lines, target)]
     text = "\n".join(parts) + "\n"

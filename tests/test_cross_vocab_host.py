@@ -76,22 +76,32 @@ def test_the_table_binary_rows_and_table():
     assert got == [("cross", "exact", 8), ("host", "exact", 8), ("same", "exact", 8), ("pld", "exact", 8)]
     assert ("same", "exact", 8) not in R.configs([8], ["exact"], "q0.5", "q0.5")
 
-    def line(index, drafter, tau, rounds, tps, equal=True):
+    def line(index, drafter, tau, rounds, tps, equal=True, tokens=0):
         out = dict(target="q", max_new_tokens=16, dataset="humaneval", index=index, k=8 if drafter else 0,
                    method="exact", drafter=drafter or "none", config=R.label(drafter, "exact", 8) if drafter
                    else "target-only", tau=tau, rounds=rounds, tokens_per_s=tps, equals_target_only=equal)
-        if drafter == "transformers":
+        if drafter == "transformers":  # tokens / tau forward calls
             del out["tokens_per_s"], out["rounds"]
+            out["tokens"] = tokens
         return out
 
     lines = [line(i, None, 1.0, 15, 10.0) for i in range(2)]
     lines += [line(0, "cross", 3.0, 5, 20.0), line(1, "cross", 1.0, 15, 8.0, equal=False),  # tau (15 + 15) / 20
               line(0, "host", 2.0, 8, 5.0), line(1, "host", 2.0, 8, 5.0),
-              line(0, "transformers", 2.5, 0, 0), line(1, "transformers", 1.5, 0, 0)]
+              line(0, "transformers", 2.5, 0, 0, tokens=20), line(1, "transformers", 1.5, 0, 0, tokens=15)]
     assert len({R.key(l) for l in lines}) == len(lines)
-    text = R.table(lines, "q")
-    rows = {r.split("|")[3].strip(): [c.strip() for c in r.split("|")[1:-1]] for r in text.splitlines()[2:]}
+
+    def rows_of(text):
+        return {r.split("|")[3].strip(): [c.strip() for c in r.split("|")[1:-1]] for r in text.splitlines()[2:]}
+
+    rows = rows_of(R.table(lines, "q"))
     assert rows["cross"][4:7] == ["1.50", "1.40x", "1/2"]  # pooled tau; median of 2.0x and 0.8x; one output differs
-    assert rows["host"][4] == "2.00" and rows["transformers"][4] == "2.00" and rows["transformers"][5] == "-"
-    assert rows["host"][7] == rows["transformers"][7] == "0.75" and rows["cross"][7] == ""
+    # transformers pooled like the others: 35 tokens / (8 + 10) calls, not the mean of 2.5 and 1.5
+    assert rows["host"][4] == "2.00" and rows["transformers"][4] == "1.94" and rows["transformers"][5] == "-"
+    assert rows["host"][7] == "0.75" and rows["transformers"][7] == "0.77" and rows["cross"][7] == ""
+    assert "**0.75**" in rows["**on-device / best yardstick**"][7]  # against host, the better yardstick
+
+    # a prompt a yardstick lacks (transformers failed on it) is left out of both sides of its ratio
+    rows = rows_of(R.table([l for l in lines if (l["drafter"], l["index"]) != ("transformers", 1)], "q"))
+    assert rows["transformers"][3:5] == ["1", "2.50"] and rows["transformers"][7] == "1.20"  # 3.0 / 2.5
     assert "**0.75**" in rows["**on-device / best yardstick**"][7]
