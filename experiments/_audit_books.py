@@ -58,9 +58,7 @@ def check_settings(out_dir: pathlib.Path, now: dict) -> None:
     """Records `now` as the run's settings in run.json, or refuses a rerun with other ones."""
     path = out_dir / "run.json"
     if path.exists():
-        before = read_settings(path)
-        was = {k: before.get(k, _SETTING_DEFAULTS.get(k)) for k in now}
-        changed = [f"--{k} {was[k]!r} -> {v!r}" for k, v in now.items() if was[k] != v]
+        changed = _settings_changed(read_settings(path), now)
         if changed:
             raise app.UsageError(f"{out_dir} holds an audit run with other settings ({'; '.join(changed)}); "
                                  "rerun with the same flags to continue it, or use another --output_dir")

@@ -216,13 +216,16 @@ def check_flags(argv) -> list[str]:
     if _MT_N.value > 80:
         raise app.UsageError("--mtbench_questions: MT-Bench has 80 questions")
     specs = list(dict.fromkeys(s for s in _METHOD.value if s != REFERENCE))
+
+    def samples(method: str) -> bool:  # as the Engine decides: at T > 0 exact (Greedy) is Sampling()
+        rule = verify.rule(method)
+        return rule.sampling or isinstance(rule, verify.Greedy)
+
     for s in specs:
         name = C.parse_method_spec(R.split_spec(s)[0])[0]
-        rule = verify.rule(name)
-        if _TEMPERATURE.value > 0 and not (rule.sampling or isinstance(rule, verify.Greedy)):
+        if _TEMPERATURE.value > 0 and not samples(name):
             raise app.UsageError(f"--temperature {_TEMPERATURE.value:g}: method {s!r} is a temperature-0 rule "
-                                 "(these sample: " + ", ".join(m for m in verify.METHODS if verify.rule(m).sampling
-                                                                or m in ("exact", "greedy")) + ")")
+                                 f"(these sample: {', '.join(filter(samples, verify.METHODS))})")
     for name in ("asd_calibration", "csd_memory"):  # before run.json records them as this run's settings
         given = flags.FLAGS[name].value
         if given and not os.path.exists(given):
