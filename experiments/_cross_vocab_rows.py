@@ -89,3 +89,15 @@ def table(lines: list[dict], target: str) -> str:
                 rows.append(f"| {k} | {method} | **on-device / best yardstick** | | | | | "
                             f"**{worst:.2f}** (goal >= 0.9) |")
     return "\n".join(rows)
+
+
+def where(lines: list[dict], target: str) -> str:
+    """Each machine that measured a target's lines, with its dates (the 0.5B's rows, say, can come from
+    another sitting and CPU than the 1.5B's)."""
+    mine = [l for l in lines if l["target"] == target]
+    spans = []
+    for machine in dict.fromkeys(l["machine"] for l in mine):
+        dates = sorted({l["date"] for l in mine if l["machine"] == machine})
+        n = sum(l["machine"] == machine for l in mine)
+        spans.append(f"{machine} ({' to '.join(dict.fromkeys([dates[0], dates[-1]]))}, {n} line{'s' * (n != 1)})")
+    return "; ".join(spans) or "nothing yet"

@@ -33,7 +33,7 @@ import time
 from absl import flags, logging
 
 from experiments import _cli, _jsonl, _paths
-from experiments._cross_vocab_rows import DRAFTERS, sha, configs, key, label, prompts, table
+from experiments._cross_vocab_rows import DRAFTERS, sha, configs, key, label, prompts, table, where
 
 _TARGETS = flags.DEFINE_list("targets", ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"], "Targets.")
 _CROSS = flags.DEFINE_string("cross_draft", "smollm2-135m-instruct", "The draft of another family.")
@@ -193,14 +193,13 @@ def main(argv):
             run_transformers(target, items, ledger, settings)
     ledger.close()
     lines = list(ledger.lines.values())
-    dates = sorted({l["date"] for l in lines}) or [datetime.date.today().isoformat()]
     parts = [f"# Drafts of another family: {_CROSS.value} for {', '.join(_TARGETS.value)}", "",
-             f"{lines[0]['machine'] if lines else _cli.machine()}; {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}; "
-             f"up to {_NEW.value} new tokens, greedy, fixed K, batch 1. tau: tokens from verifications / the "
+             f"Up to {_NEW.value} new tokens, greedy, fixed K, batch 1. tau: tokens from verifications / the "
              "target's verifications, each summed over the prompts (specjax: its rounds; transformers: its "
-             "forward calls, the first of which also verifies)."]
+             "forward calls, the first of which also verifies). A prompt's rows ran on one machine, one after "
+             "another, so its tokens/s ratios compare like with like."]
     for target in _TARGETS.value:
-        parts += ["", f"## {target}", "", table(lines, target)]
+        parts += ["", f"## {target}", "", f"Measured on {where(lines, target)}.", "", table(lines, target)]
     text = "\n".join(parts) + "\n"
     print(text)
     _paths.write_text(os.path.join(_OUT.value, "table.md"), text)

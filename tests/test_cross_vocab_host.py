@@ -105,3 +105,16 @@ def test_the_table_binary_rows_and_table():
     rows = rows_of(R.table([l for l in lines if (l["drafter"], l["index"]) != ("transformers", 1)], "q"))
     assert rows["transformers"][3:5] == ["1", "2.50"] and rows["transformers"][7] == "1.20"  # 3.0 / 2.5
     assert "**0.75**" in rows["**on-device / best yardstick**"][7]
+
+
+def test_the_table_names_each_machine_per_target():
+    from experiments import _cross_vocab_rows as R
+
+    def line(target, machine, date):
+        return dict(target=target, machine=machine, date=date)
+
+    lines = [line("q1.5", "AMD", "2026-12-05"), line("q1.5", "AMD", "2026-12-06"), line("q1.5", "Intel", "2026-12-07"),
+             line("q0.5", "Intel", "2026-12-07")]
+    assert R.where(lines, "q1.5") == "AMD (2026-12-05 to 2026-12-06, 2 lines); Intel (2026-12-07, 1 line)"
+    assert R.where(lines, "q0.5") == "Intel (2026-12-07, 1 line)"
+    assert R.where(lines, "q3") == "nothing yet"
