@@ -209,21 +209,26 @@ def check_flags(argv) -> list[str]:
                  "batch_size"):
         if flags.FLAGS[name].value <= 0:
             raise app.UsageError(f"--{name} must be positive")
-    if not 0 <= _TEMPERATURE.value < float("inf"):  # NaN fails too
-        raise app.UsageError(f"--temperature must be a number >= 0, got {_TEMPERATURE.value}")
+    try:
+        verify.at_temperature(verify.Greedy(), _TEMPERATURE.value)
+    except ValueError:
+        raise app.UsageError(f"--temperature must be a finite number >= 0, got {_TEMPERATURE.value}") from None
     if _HE_N.value > 164:
         raise app.UsageError("--humaneval_problems: HumanEval has 164 problems")
     if _MT_N.value > 80:
         raise app.UsageError("--mtbench_questions: MT-Bench has 80 questions")
     specs = list(dict.fromkeys(s for s in _METHOD.value if s != REFERENCE))
 
-    def samples(method: str) -> bool:  # as the Engine decides: at T > 0 exact (Greedy) is Sampling()
-        rule = verify.rule(method)
-        return rule.sampling or isinstance(rule, verify.Greedy)
+    def samples(method: str) -> bool:  # the rule verifies at --temperature, as the Engine decides
+        try:
+            verify.at_temperature(verify.rule(method), _TEMPERATURE.value)
+        except ValueError:
+            return False
+        return True
 
     for s in specs:
         name = C.parse_method_spec(R.split_spec(s)[0])[0]
-        if _TEMPERATURE.value > 0 and not samples(name):
+        if not samples(name):
             raise app.UsageError(f"--temperature {_TEMPERATURE.value:g}: method {s!r} is a temperature-0 rule "
                                  f"(these sample: {', '.join(filter(samples, verify.METHODS))})")
     for name in ("asd_calibration", "csd_memory"):  # before run.json records them as this run's settings

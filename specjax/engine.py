@@ -420,10 +420,7 @@ def _rule(method, options: dict, temperature: float, target_only: bool):
         if not isinstance(rule, verify.Greedy):
             raise ValueError(f"method {rule.name!r} needs a draft: draft=None is target-only decoding")
         return None, None
-    if temperature > 0 and isinstance(rule, verify.Greedy):  # lossless at T > 0: speculative sampling
-        rule = verify.Sampling()
-    rule.check_temperature(temperature)
-    return rule, start
+    return verify.at_temperature(rule, temperature), start  # at T > 0 exact is speculative sampling
 
 
 # --- the checks of a request that run before compiling: memory (and, in `_prepare`, the cache

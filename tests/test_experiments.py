@@ -78,7 +78,8 @@ BAD_FLAGS = [
     ("audit", ["--output_dir", "/tmp/x", "--method", "fly:bogus=1"], "unknown option 'bogus'"),
     ("audit", ["--output_dir", "/tmp/x", "--temperature", "1", "--method", "fly", "--method", "asd"],
      "--temperature 1: method 'asd' is a temperature-0 rule"),
-    ("audit", ["--output_dir", "/tmp/x", "--temperature", "-0.5"], "--temperature must be a number >= 0"),
+    ("audit", ["--output_dir", "/tmp/x", "--temperature", "-0.5"], "--temperature must be a finite number >= 0"),
+    ("audit", ["--output_dir", "/tmp/x", "--temperature", "inf"], "--temperature must be a finite number >= 0"),
     ("audit", ["--output_dir", "/tmp/specjax-audit-absent-calibration", "--asd_calibration", "/nonexistent/asd.json"],
      "--asd_calibration /nonexistent/asd.json: no such file or directory"),
 ]

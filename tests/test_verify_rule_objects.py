@@ -215,6 +215,31 @@ def test_temperature_is_checked_per_rule(rule, temperature, match):
         rule((), D_RBK[0], L_RBKV[0], key=jax.random.key(0), temperature=temperature)
 
 
+@pytest.mark.parametrize("method, temperature, want", [
+    ("exact", 0.0, verify.Greedy()),
+    ("exact", 0.7, verify.Sampling()),  # lossless at T > 0: speculative sampling
+    ("sampling", 0.0, verify.Sampling()),
+    ("fly", 1.0, verify.Fly()),
+    ("typical", 0.5, verify.Typical()),
+    ("asd", 0.0, verify.Asd()),
+])
+def test_at_temperature_gives_the_rule_that_verifies(method, temperature, want):
+    assert verify.at_temperature(verify.rule(method), temperature) == want
+
+
+@pytest.mark.parametrize("rule, temperature, match", [
+    (verify.Asd(), 0.7, "'asd' is a temperature-0 rule"),
+    (verify.Csd(), 1e-3, "'csd' is a temperature-0 rule"),
+    (verify.Greedy(), float("nan"), "Greedy: temperature must be a static, finite"),
+    (verify.Greedy(), float("inf"), "temperature must be a static, finite"),
+    (verify.Fly(), -0.5, "temperature must be"),
+    (verify.Sampling(), "1", "temperature must be"),
+])
+def test_at_temperature_rejects(rule, temperature, match):
+    with pytest.raises(ValueError, match=match):
+        verify.at_temperature(rule, temperature)
+
+
 def test_call_rejects_bad_shapes():
     rule = verify.Sampling()
     d, L = D_RBK[0], L_RBKV[0]

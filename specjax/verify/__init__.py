@@ -17,7 +17,7 @@ from specjax.verify._csd_memory import (CSDMemory, check_vocab as check_csd_voca
 from specjax.verify._fly import fly
 from specjax.verify._greedy import greedy
 from specjax.verify._rules import (ALIASES, METHODS, RULES, Asd, Csd, Fly, Greedy, Round, RoundCounts, Rule,
-                                   Sampling, Typical, rule)
+                                   Sampling, Typical, at_temperature, rule)
 from specjax.verify._sampling import speculative_sampling
 from specjax.verify._typical import typical
 
@@ -39,6 +39,7 @@ __all__ = [
     "Verdict",
     "VocabSharding",
     "asd",
+    "at_temperature",
     "check_csd_vocab",
     "csd",
     "csd_batch",

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.verify._asd import Asd
-from specjax.verify._common import Round, RoundCounts, Rule  # noqa: F401  (re-exported)
+from specjax.verify._common import Round, RoundCounts, Rule, check_temperature  # noqa: F401  (re-exported)
 from specjax.verify._csd import Csd
 from specjax.verify._fly import Fly
 from specjax.verify._greedy import Greedy
@@ -54,3 +54,15 @@ def rule(method: str, **options) -> Rule:
                 raise ValueError(f"unknown rule option {option!r}; known options: {', '.join(known)}")
             raise ValueError(f"option {option!r} does not apply to method {method!r} (it is for {', '.join(owners)})")
     return cls(**options)
+
+
+def at_temperature(rule: Rule, temperature) -> Rule:
+    """The rule that verifies at `temperature`: exact verification (`Greedy`) becomes lossless
+    speculative sampling (`Sampling()`) at T > 0; every other rule stays itself. A temperature that
+    is not a finite number >= 0, or a rule that verifies only at T = 0 (ASD, CSD) given T > 0,
+    is a ValueError naming it. The engine and the binaries decide by this one function."""
+    temperature = check_temperature(type(rule).__name__, temperature)
+    if temperature > 0 and isinstance(rule, Greedy):
+        rule = Sampling()
+    rule.check_temperature(temperature)
+    return rule
