@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from experiments import _audit_stats as S, _common as C
-from experiments._audit_run import REFERENCE, Method, Part
+from experiments._audit_run import REFERENCE, Method, Part, split_spec
 
 NOT_TIMED = "not timed"
 
@@ -48,8 +48,9 @@ def summarize(part: Part, methods: list[Method], books, wanted_speed: int, seed:
                                "speed_tasks": len(timed_ids), "tokens_per_s": tps[s]}
         if tps[s] and tps[REFERENCE]:
             row["speedup_vs_target_only"] = tps[s] / tps[REFERENCE]
-        if tps[s] and "exact" in tps and tps["exact"]:
-            row["speedup_vs_exact"] = tps[s] / tps["exact"]
+        peer = exact_peer(s, specs)
+        if tps[s] and peer and tps[peer]:
+            row["speedup_vs_exact"], row["exact_peer"] = tps[s] / tps[peer], peer
         if s in cost:
             n, wall, comp = cost[s]
             row["audit_seconds_per_100"] = 100 * wall / n
@@ -76,6 +77,22 @@ def summarize(part: Part, methods: list[Method], books, wanted_speed: int, seed:
                            logprob_diff_hi=dhi)
         rows[s] = row
     return rows
+
+
+def exact_peer(spec: str, specs: list[str]) -> str | None:
+    """The exact spec that `spec`'s speedup over exact is read against: the one with its own K and
+    draft (`fly:k=25` against `exact:k=25`, so that a K or draft ablation compares like with like),
+    else the run's plain `exact`; None without one."""
+    plain = "exact" if "exact" in specs else None
+    if spec == REFERENCE:
+        return plain
+    want = {k: v for k, v in C.parse_method_spec(split_spec(spec)[0])[1].items() if k in ("k", "draft")}
+    for other in specs:
+        if other != REFERENCE and want:
+            method, options = C.parse_method_spec(split_spec(other)[0])
+            if method in ("exact", "greedy") and options == want:
+                return other
+    return plain
 
 
 def _f(x, d=3):
@@ -137,10 +154,13 @@ def markdown(parts: list[Part], summaries: dict, wall: float, settings: dict, ma
 
 
 def _speed(row: dict, key: str) -> str:
-    """A speedup cell: "not timed" where the method has no batch-1 timing (a blank would read as n/a)."""
+    """A speedup cell: "not timed" where the method has no batch-1 timing (a blank would read as n/a);
+    a speedup over exact names its exact spec where that is not the plain `exact`."""
     if row.get("tokens_per_s") is None:
         return NOT_TIMED
-    return _f(row.get(key), 2)
+    cell = _f(row.get(key), 2)
+    peer = row.get("exact_peer")
+    return f"{cell} (vs {peer})" if key == "speedup_vs_exact" and cell and peer not in (None, "exact") else cell
 
 
 def plot_front(rows: dict, path: pathlib.Path) -> None:
