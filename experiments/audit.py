@@ -60,7 +60,9 @@ not whether it is better or worse to a reader.
 Speed (--speed_problems N): the first N prompts of each part at batch 1, every method in
 turn per prompt (interleaved, so machine drift affects all alike), compilation untimed;
 speed.jsonl holds tokens and seconds per (part, task, method), also resumable. Speedups in
-the table come only from there, never from a batched quality pass. At --batch_size 1 the
+the table come only from there, never from a batched quality pass. A method spec with its own
+k= or draft= (fly:k=25) has its speedup over exact read against the exact spec with the same
+k and draft (exact:k=25) where the run has one, and the cell names it. At --batch_size 1 the
 quality pass is itself that timing (one prompt, every method in turn), so every prompt it
 decodes is timed there and then: a sweep at batch 1 needs no second pass.
 A timing row that is missing after the fact (its write failed, e.g. on a full disk, and the
