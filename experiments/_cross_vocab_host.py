@@ -17,7 +17,9 @@ Exactly, per round:
 - proposal = target_tok.encode(draft_tok.decode(those K ids))[:K], after dropping a trailing partial
   UTF-8 character (decoded as U+FFFD);
 - the target scores [pending, proposal] in one forward at K + 1 positions, and `engine.rule` (exact or
-  FLy, with the engine's options) decides; the round emits the accepted drafts and the next token.
+  FLy, with the engine's options) decides; the round emits the accepted drafts and the next token;
+- the reply ends at the target's first EOS id, accepted draft or next token (the rounds counted end
+  with the round that emitted it).
 
 `transformers_tau`: transformers' assisted generation with `assistant_tokenizer=` (its universal
 assisted decoding, which also re-tokenizes text every round), greedy, a constant K; its tau counts the
@@ -124,9 +126,12 @@ class HostReference:
             verdict, rule_state, _ = self._verify(rule_state, drafts, logits_1RV,
                                                   np.array([len(proposal)], np.int32), jax.random.PRNGKey(rounds))
             n, nxt = int(verdict.num_accepted[0]), int(verdict.next_token[0])
-            out += proposal[:n] + [nxt]
+            new = proposal[:n] + [nxt]
+            out += new
             L += n + 1
             rounds += 1
+            if any(t in eos for t in new):  # an EOS among the accepted drafts ends the reply, as in the engine
+                break
         out = out[:max_new_tokens]
         if any(t in eos for t in out):
             out = out[:next(i for i, t in enumerate(out) if t in eos) + 1]

@@ -63,6 +63,35 @@ def test_a_sampling_engine_is_refused(pair):  # noqa: F811
         HostReference(engine, draft, k=3)
 
 
+class Verbatim(Oracle):
+    """Proposes fixed ids (an EOS among them), and a rule that accepts every draft."""
+
+    def __init__(self, *args, proposal=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        import numpy as np
+        from specjax import verify
+
+        self.fixed = list(proposal)
+        self._verify = lambda state, drafts, logits, num_draft, key: (  # accept all k, then token 7
+            verify.Verdict(np.asarray(num_draft), np.array([7]), np.array([0])), state, None)
+
+    def propose(self, out, draft_prompt_ids, max_new_tokens):
+        return self.fixed
+
+
+def test_an_accepted_eos_ends_the_reply_and_its_rounds(pair):  # noqa: F811
+    target, draft = pair
+    eos = 5
+    engine = specjax.Engine(target, draft="pld", method="exact", k=3, max_new_tokens=20, eos_ids=(eos,))
+    host = Verbatim(engine, draft, k=3, proposal=[9, eos, 9])
+    got, rounds = host.generate(target.tokenizer.encode(TEXTS[0]), [], 20)
+    # the first token from the prefill, then one round: [9, EOS] kept, the rest of it dropped
+    assert got[1:] == [9, eos] and rounds == 1
+    host.fixed = [9, 9, 9]  # no EOS: rounds of 4 tokens until max_new_tokens
+    got, rounds = host.generate(target.tokenizer.encode(TEXTS[0]), [], 20)
+    assert len(got) == 20 and eos not in got[1:] and rounds == 5
+
+
 def test_common_prefix():
     assert _common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert _common_prefix([], [1]) == 0 and _common_prefix([1, 2], [1, 2]) == 2
