@@ -193,12 +193,13 @@ def main(argv):
             run_transformers(target, items, ledger, settings)
     ledger.close()
     lines = list(ledger.lines.values())
-    parts = [f"# Drafts of another family: {_CROSS.value} for {', '.join(_TARGETS.value)}", "",
+    shown = list(dict.fromkeys([*_TARGETS.value, *(l["target"] for l in lines)]))  # every target measured here
+    parts = [f"# Drafts of another family: {_CROSS.value} for {', '.join(shown)}", "",
              f"Up to {_NEW.value} new tokens, greedy, fixed K, batch 1. tau: tokens from verifications / the "
              "target's verifications, each summed over the prompts (specjax: its rounds; transformers: its "
              "forward calls, the first of which also verifies). A prompt's rows ran on one machine, one after "
              "another, so its tokens/s ratios compare like with like."]
-    for target in _TARGETS.value:
+    for target in shown:
         parts += ["", f"## {target}", "", f"Measured on {where(lines, target)}.", "", table(lines, target)]
     text = "\n".join(parts) + "\n"
     print(text)
