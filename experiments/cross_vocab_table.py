@@ -193,7 +193,7 @@ def main(argv):
             run_transformers(target, items, ledger, settings)
     ledger.close()
     lines = list(ledger.lines.values())
-    shown = list(dict.fromkeys([*_TARGETS.value, *(l["target"] for l in lines)]))  # every target measured here
+    shown = list(dict.fromkeys([*(l["target"] for l in lines), *_TARGETS.value]))  # every target measured here
     parts = [f"# Drafts of another family: {_CROSS.value} for {', '.join(shown)}", "",
              f"Up to {_NEW.value} new tokens, greedy, fixed K, batch 1. tau: tokens from verifications / the "
              "target's verifications, each summed over the prompts (specjax: its rounds; transformers: its "
