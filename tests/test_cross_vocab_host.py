@@ -135,6 +135,13 @@ def test_the_table_binary_rows_and_table():
     assert rows["transformers"][3:5] == ["1", "2.50"] and rows["transformers"][7] == "1.20"  # 3.0 / 2.5
     assert "**0.75**" in rows["**on-device / best yardstick**"][7]
 
+    # prompts measured on two machines: one median of tokens/s ratios per machine, each prompt against
+    # the target-only line of its own machine
+    for l in lines:
+        l["machine"] = "AMD EPYC, 2 cores" if l["index"] == 0 else "Intel Xeon, 2 cores"
+    rows = rows_of(R.table(lines, "q"))
+    assert rows["cross"][5] == "2.00x (AMD EPYC, 1); 0.80x (Intel Xeon, 1)" and rows["cross"][4] == "1.50"
+
 
 def test_the_table_names_each_machine_per_target():
     from experiments import _cross_vocab_rows as R
