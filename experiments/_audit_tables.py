@@ -83,16 +83,15 @@ def exact_peer(spec: str, specs: list[str]) -> str | None:
     """The exact spec that `spec`'s speedup over exact is read against: the one with its own K and
     draft (`fly:k=25` against `exact:k=25`, so that a K or draft ablation compares like with like),
     else the run's plain `exact`; None without one."""
-    plain = "exact" if "exact" in specs else None
-    if spec == REFERENCE:
-        return plain
-    want = {k: v for k, v in C.parse_method_spec(split_spec(spec)[0])[1].items() if k in ("k", "draft")}
-    for other in specs:
-        if other != REFERENCE and want:
-            method, options = C.parse_method_spec(split_spec(other)[0])
-            if method in ("exact", "greedy") and options == want:
+    def options(s: str) -> tuple[str, dict]:
+        return C.parse_method_spec(split_spec(s)[0])
+
+    want = {} if spec == REFERENCE else {k: v for k, v in options(spec)[1].items() if k in ("k", "draft")}
+    if want:
+        for other in specs:
+            if other != REFERENCE and options(other) in (("exact", want), ("greedy", want)):
                 return other
-    return plain
+    return "exact" if "exact" in specs else None
 
 
 def _f(x, d=3):
