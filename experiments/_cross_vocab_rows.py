@@ -116,3 +116,15 @@ def where(lines: list[dict], target: str) -> str:
         n = sum(l["machine"] == machine for l in mine)
         spans.append(f"{machine} ({' to '.join(dict.fromkeys([dates[0], dates[-1]]))}, {n} line{'s' * (n != 1)})")
     return "; ".join(spans) or "nothing yet"
+
+
+def command(lines, values: dict, defaults: dict, output_dir: str) -> str:
+    """The cross_vocab_table command that measures a ledger's `lines`: `values` are this run's flags
+    (name -> value, lists joined with commas), those equal to `defaults` are left out, and the prompt
+    counts are the ledger's own, so a table regenerated with --num_humaneval 0 names what it holds."""
+    values = dict(values, num_humaneval=len({l["index"] for l in lines if l["dataset"] == "humaneval"}),
+                  num_mtbench=len({l["index"] for l in lines if l["dataset"] == "mtbench"}))
+    args = [f"--{name}={value}" for name, value in values.items() if str(value) != str(defaults.get(name))]
+    if not any(l["drafter"] == "transformers" for l in lines):
+        args.append("--notransformers")
+    return " ".join(["python experiments/cross_vocab_table.py", *args, f"--output_dir {output_dir}"])

@@ -33,7 +33,7 @@ import time
 from absl import flags, logging
 
 from experiments import _cli, _jsonl, _paths
-from experiments._cross_vocab_rows import DRAFTERS, sha, configs, key, label, prompts, table, where
+from experiments._cross_vocab_rows import DRAFTERS, command, sha, configs, key, label, prompts, table, where
 
 _TARGETS = flags.DEFINE_list("targets", ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"], "Targets.")
 _CROSS = flags.DEFINE_string("cross_draft", "smollm2-135m-instruct", "The draft of another family.")
@@ -168,25 +168,13 @@ def run_transformers(target_name, items, ledger, settings) -> None:
             _cli.log(f"{target_name} ({dataset} {index}) {name}: tau {tau:.2f}")
 
 
-def command(lines, shown) -> str:
-    """The command that measures this table's ledger: flags left at their defaults are omitted, the
-    prompt counts are the ledger's (a table regenerated with --num_humaneval 0 names what it holds)."""
-    flags_ = {"targets": ",".join(shown), "cross_draft": _CROSS.value, "same_draft": _SAME.value,
-              "ks": ",".join(_KS.value), "methods": ",".join(_METHODS.value), "max_new_tokens": _NEW.value,
-              "num_humaneval": len({l["index"] for l in lines if l["dataset"] == "humaneval"}),
-              "num_mtbench": len({l["index"] for l in lines if l["dataset"] == "mtbench"})}
-    args = [f"--{name}={value}" for name, value in flags_.items()
-            if str(value) != str(_defaults()[name])]
-    if not any(l["drafter"] == "transformers" for l in lines):
-        args.append("--notransformers")
-    return " ".join(["python experiments/cross_vocab_table.py", *args, f"--output_dir {_OUT.value}"])
-
-
-def _defaults() -> dict:
+def _command(lines, shown) -> str:
+    names = ("targets", "cross_draft", "same_draft", "ks", "methods", "max_new_tokens", "num_humaneval",
+             "num_mtbench")
     F = flags.FLAGS
-    return {name: (",".join(F[name].default) if isinstance(F[name].default, list) else F[name].default)
-            for name in ("targets", "cross_draft", "same_draft", "ks", "methods", "max_new_tokens",
-                         "num_humaneval", "num_mtbench")}
+    flat = lambda v: ",".join(v) if isinstance(v, list) else v
+    values = {n: flat(F[n].value) for n in names} | {"targets": ",".join(shown)}
+    return command(lines, values, {n: flat(F[n].default) for n in names}, _OUT.value)
 
 
 def main(argv):
@@ -217,7 +205,7 @@ def main(argv):
     shown = list(dict.fromkeys([*(l["target"] for l in lines), *_TARGETS.value]))  # every target measured here
     parts = [f"# Drafts of another family: {_CROSS.value} for {', '.join(shown)}", "",
              f"Measured (and resumed, from the ledger beside this file) with:", "",
-             f"    {command(lines, shown)}", "",
+             f"    {_command(lines, shown)}", "",
              f"Up to {_NEW.value} new tokens, greedy, fixed K, batch 1. tau: tokens from verifications / the "
              "target's verifications, each summed over the prompts (specjax: its rounds; transformers: its "
              "forward calls, the first of which also verifies). A prompt's rows ran on one machine, one after "

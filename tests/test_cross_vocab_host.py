@@ -143,6 +143,20 @@ def test_the_table_binary_rows_and_table():
     assert rows["cross"][5] == "2.00x (AMD EPYC, 1); 0.80x (Intel Xeon, 1)" and rows["cross"][4] == "1.50"
 
 
+def test_the_table_heads_with_the_command_of_its_ledger():
+    from experiments import _cross_vocab_rows as R
+
+    defaults = {"targets": "a,b", "ks": "8,15", "max_new_tokens": 128, "num_humaneval": 40, "num_mtbench": 40}
+    lines = [dict(dataset=d, index=i, drafter=r) for d, i, r in
+             [("humaneval", 0, "cross"), ("humaneval", 1, "cross"), ("mtbench", 0, "pld"), ("humaneval", 1, "pld")]]
+    got = R.command(lines, dict(defaults, targets="b", num_humaneval=0, num_mtbench=0), defaults, "out")
+    # the ledger's prompt counts, not the regenerating call's zeros; no transformers lines: --notransformers
+    assert got == ("python experiments/cross_vocab_table.py --targets=b --num_humaneval=2 --num_mtbench=1 "
+                   "--notransformers --output_dir out")
+    full = [dict(dataset=d, index=i, drafter="transformers") for d in ("humaneval", "mtbench") for i in range(40)]
+    assert R.command(full, defaults, defaults, "out") == "python experiments/cross_vocab_table.py --output_dir out"
+
+
 def test_the_table_names_each_machine_per_target():
     from experiments import _cross_vocab_rows as R
 
