@@ -204,7 +204,7 @@ def main(argv):
     lines = list(ledger.lines.values())
     shown = list(dict.fromkeys([*(l["target"] for l in lines), *_TARGETS.value]))  # every target measured here
     parts = [f"# Drafts of another family: {_CROSS.value} for {', '.join(shown)}", "",
-             f"Measured (and resumed, from the ledger beside this file) with:", "",
+             "Measured (and resumed, from the ledger beside this file) with:", "",
              f"    {_command(lines, shown)}", "",
              f"Up to {_NEW.value} new tokens, greedy, fixed K, batch 1. tau: tokens from verifications / the "
              "target's verifications, each summed over the prompts (specjax: its rounds; transformers: its "
