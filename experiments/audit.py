@@ -82,9 +82,9 @@ Compressing a finished run (what experiments/results/ keeps in git):
 
 folds a finished run's directory DIR (here the first example's) in place: every X.jsonl into
 X.jsonl.gz (byte for byte: the tables a rerun writes are the same) and audit.json into
-audit.json.gz; it loads no model. A later run in DIR (a resume, more methods or
+audit.json.xz; it loads no model. A later run in DIR (a resume, more methods or
 problems) reads the .gz files, appends new lines to plain X.jsonl beside them and writes its record
-as audit.json.gz; compress again to fold the new lines in. --reuse_from DIR reads them too.
+as audit.json.xz; compress again to fold the new lines in. --reuse_from DIR reads them too.
 
 Full runs (JAX_COMPILATION_CACHE_DIR=... keeps compiled programs between sittings):
 
@@ -162,7 +162,7 @@ _REUSE = flags.DEFINE_string("reuse_from", None, "Output directory of an earlier
                              "full run. Batch-1 speed is never copied (it must be interleaved in one run).")
 C.define_calibration_flags()
 _COMPRESS = flags.DEFINE_boolean("compress", False, "Compress the finished run in --output_dir (every X.jsonl "
-                                 "into X.jsonl.gz, audit.json into audit.json.gz) and exit; nothing is decoded.")
+                                 "into X.jsonl.gz, audit.json into audit.json.xz) and exit; nothing is decoded.")
 for _module in C.FLAG_MODULES:  # --help lists the shared flags
     flags.adopt_module_key_flags(_module)
 flags.mark_flag_as_required("output_dir")
@@ -309,7 +309,7 @@ def main(argv):
 
 
 def write_tables(out_dir, parts, methods, books, wanted, keys, finished, wall) -> None:
-    """audit.md (printed too), audit.csv, audit.json (or .gz in a compressed run) and pareto.png."""
+    """audit.md (printed too), audit.csv, audit.json (or .xz in a compressed run) and pareto.png."""
     summaries = {p.name: T.summarize(p, methods, books, wanted[p.name], _SEED.value) for p in parts}
     table = T.markdown(parts, summaries, wall, run_settings(), C.machine())
     copied = [k for k in keys if k in books["reused"]]

@@ -1,11 +1,11 @@
-"""The audits kept in experiments/results/ (compressed: X.jsonl.gz, audit.json.gz) still give the tables
+"""The audits kept in experiments/results/ (compressed: X.jsonl.gz, audit.json.xz) still give the tables
 committed beside them: every method's row of audit.md is recomputed from the compressed ledgers alone,
 with no model (`_audit_tables`), and compared cell by cell."""
 
 from __future__ import annotations
 
-import gzip
 import json
+import lzma
 import pathlib
 import types
 
@@ -29,13 +29,14 @@ def test_the_committed_audits_are_compressed():
     assert len(AUDITS) >= 6
     for name in AUDITS:
         assert not list((RESULTS / name).glob("*.jsonl")) and not (RESULTS / name / "audit.json").exists(), name
-        assert (RESULTS / name / "completions.jsonl.gz").is_file() and (RESULTS / name / "audit.json.gz").is_file()
+        assert not (RESULTS / name / "audit.json.gz").exists(), name  # the older form, gzip: 5x larger
+        assert (RESULTS / name / "completions.jsonl.gz").is_file() and (RESULTS / name / "audit.json.xz").is_file()
 
 
 @pytest.mark.parametrize("name", AUDITS)
 def test_a_committed_audit_table_regenerates_from_its_compressed_lines(name):
     out = RESULTS / name
-    record = json.loads(gzip.decompress((out / "audit.json.gz").read_bytes()))
+    record = json.loads(lzma.decompress((out / "audit.json.xz").read_bytes()))
     settings = {"matmul": "auto", **json.loads((out / "run.json").read_text())}
     books = B.ledgers(out, read_only=True)
     methods = [types.SimpleNamespace(spec=m["spec"]) for m in next(iter(record["parts"].values()))["methods"]]

@@ -188,6 +188,7 @@ def _tables(out_dir):
 
 def test_a_compressed_audit_keeps_its_lines_and_tables_and_resumes(env, whole, tmp_path):
     import gzip
+    import lzma
     import shutil
 
     packed = tmp_path / "packed"
@@ -200,14 +201,15 @@ def test_a_compressed_audit_keeps_its_lines_and_tables_and_resumes(env, whole, t
     assert not list(packed.glob("*.jsonl")) and not (packed / "audit.json").exists()
     for name in names:  # byte for byte
         assert gzip.decompress((packed / f"{name}.gz").read_bytes()) == (whole / name).read_bytes()
-    assert json.loads(gzip.decompress((packed / "audit.json.gz").read_bytes())) == \
+    assert json.loads(lzma.decompress((packed / "audit.json.xz").read_bytes())) == \
         json.loads((whole / "audit.json").read_text())
+    assert not (packed / "audit.json.gz").exists()
 
     out, err = finish(audit(packed, env))  # a rerun reads the compressed lines: nothing to decode
     assert "18/18 completions already in" in err and " batch 1/" not in err
     assert _tables(packed) == _tables(whole)
     assert not (packed / "audit.json").exists()  # a compressed run writes its record compressed
-    assert json.loads(gzip.decompress((packed / "audit.json.gz").read_bytes()))["summary"] == \
+    assert json.loads(lzma.decompress((packed / "audit.json.xz").read_bytes()))["summary"] == \
         json.loads((whole / "audit.json").read_text())["summary"]
 
     # a compressed part of a run resumes: HumanEval's second batch taken out of every file, as if the
@@ -230,3 +232,39 @@ def test_a_compressed_audit_keeps_its_lines_and_tables_and_resumes(env, whole, t
     got = [J.unseal(x, "gz")[0] for x in gzip.decompress((part / "completions.jsonl.gz").read_bytes()).splitlines()]
     assert by_key(got, "task_id", "method") == by_key(lines(whole / "completions.jsonl"), "task_id", "method")
     assert not list(part.glob("*.jsonl"))
+
+
+def test_an_older_gzip_record_becomes_xz_with_the_same_json(tmp_path):
+    """Runs compressed before the record was xz kept audit.json.gz: --compress (and a rerun's write)
+    turns it into audit.json.xz holding the same JSON, and leaves no second form beside it."""
+    import gzip
+    import lzma
+
+    from experiments import _audit_books as B
+
+    record = {"summary": {"exact": {"humaneval_pass": 0.5}}, "parts": {"humaneval": {"tasks": 2, "methods": [
+        {"spec": s, "records": [{"task_id": f"HumanEval/{i}", "reply": "x = 1\n" * 50} for i in range(2)]}
+        for s in ("target-only", "exact")]}}}
+    text = json.dumps(record, indent=1)
+    (tmp_path / "run.json").write_text("{}")
+    (tmp_path / "completions.jsonl.gz").write_bytes(gzip.compress(b""))  # a compressed run
+    (tmp_path / "audit.json.gz").write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "tables.sha256").write_text("0  audit.json.gz\n")
+    assert "audit.json.gz" in B.compress_run(tmp_path)
+    assert not (tmp_path / "audit.json.gz").exists() and not (tmp_path / "audit.json").exists()
+    assert json.loads(lzma.decompress((tmp_path / "audit.json.xz").read_bytes())) == record
+    assert B.read_record(tmp_path) == record
+    assert "audit.json.xz" in (tmp_path / "tables.sha256").read_text()
+    assert subprocess.run(["sha256sum", "-c", "--quiet", "--ignore-missing", "tables.sha256"],
+                          cwd=tmp_path).returncode == 0
+    first = (tmp_path / "audit.json.xz").read_bytes()
+    assert B.compress_run(tmp_path) == []  # nothing left to fold
+    (tmp_path / "audit.json.gz").write_bytes(gzip.compress(b"{}"))  # a stale older form beside it
+    assert B.write_record(tmp_path, text).name == "audit.json.xz"
+    assert not (tmp_path / "audit.json.gz").exists() and (tmp_path / "audit.json.xz").read_bytes() == first
+
+    plain = tmp_path / "plain"  # an uncompressed run writes audit.json and drops a compressed leftover
+    plain.mkdir()
+    (plain / "audit.json.xz").write_bytes(first)
+    assert B.write_record(plain, text).name == "audit.json"
+    assert not (plain / "audit.json.xz").exists() and B.read_record(plain) == record
