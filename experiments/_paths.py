@@ -53,14 +53,23 @@ def set_status(status) -> None:
     _STATUS[0] = status
 
 
-def rerun_command() -> str:
-    """The command line of this process, as a shell would take it back."""
+def rerun_command(width: int = 0) -> str:
+    """The command line of this process, as a shell would take it back, the script named as the current
+    directory reaches it (`python -m` gives its absolute path). With `width`, folded before flags into
+    lines of about that many characters, continued with a backslash."""
     import shlex
 
     argv = list(sys.argv)
+    if argv and os.path.isabs(argv[0]) and not os.path.relpath(argv[0]).startswith(".."):
+        argv[0] = os.path.relpath(argv[0])
     if argv and argv[0].endswith(".py"):
         argv.insert(0, "python")
-    return " ".join(shlex.quote(a) for a in argv)
+    lines = [""]
+    for word in map(shlex.quote, argv):
+        if width and word.startswith("--") and lines[-1] and len(lines[-1]) + 1 + len(word) > width:
+            lines.append("   ")  # the continuation's indent, joined below with one more space
+        lines[-1] = f"{lines[-1]} {word}" if lines[-1] else word
+    return " \\\n".join(lines)
 
 
 def check_output(flag: str, path, *, dir: bool = False) -> None:  # noqa: A002 (the flag's wording)

@@ -72,8 +72,8 @@ a speed cell the run could not fill says "not timed" in the table, never blank.
 Statistics (experiments/_audit_stats.py), over the problems every method has finished:
 pass@1 with a 95% Wilson interval; recovery = pass@1(method) / pass@1(target-only) with a
 paired bootstrap interval over problems (seeded); an exact McNemar test against target-only;
-divergence and the median first differing token (experiments/_audit_tables.py). Writes audit.md,
-audit.csv and audit.json;
+divergence and the median first differing token (experiments/_audit_tables.py). Writes audit.md
+(headed with the sitting's command, which continues the run), audit.csv and audit.json;
 batches.jsonl keeps the wall time of every (batch, method) for the cost table.
 
 Compressing a finished run (what experiments/results/ keeps in git):
@@ -109,6 +109,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import textwrap
 import time
 
 from absl import app, flags, logging
@@ -308,10 +309,19 @@ def main(argv):
     write_tables(out_dir, parts, methods, books, wanted, keys, finished, time.perf_counter() - start)
 
 
+def _command_head() -> str:
+    """audit.md's first lines: the command of this sitting, which continues the run in its directory (or
+    repeats it in an empty one), so every table names what made it."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    where = "the repository root" if pathlib.Path.cwd().resolve() == root else str(pathlib.Path.cwd())
+    command = textwrap.indent(_paths.rerun_command(100), "    ")
+    return f"Command (this sitting's, from {where}; run again, it continues the run):\n\n{command}\n\n"
+
+
 def write_tables(out_dir, parts, methods, books, wanted, keys, finished, wall) -> None:
     """audit.md (printed too), audit.csv, audit.json (or .xz in a compressed run) and pareto.png."""
     summaries = {p.name: T.summarize(p, methods, books, wanted[p.name], _SEED.value) for p in parts}
-    table = T.markdown(parts, summaries, wall, run_settings(), C.machine())
+    table = _command_head() + T.markdown(parts, summaries, wall, run_settings(), C.machine())
     copied = [k for k in keys if k in books["reused"]]
     if copied:
         sources = sorted({books["reused"].get(k)["source"] for k in copied})

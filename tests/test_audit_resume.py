@@ -182,8 +182,10 @@ def test_at_batch_one_the_quality_pass_is_the_interleaved_timing(env, tmp_path):
 
 
 def _tables(out_dir):
-    """audit.md without its first line (the sitting's wall time) and audit.csv."""
-    return (out_dir / "audit.md").read_text().split("\n", 1)[1], (out_dir / "audit.csv").read_text()
+    """audit.md below its head (the sitting's command, whose --output_dir differs, and its wall time) and
+    audit.csv."""
+    return (out_dir / "audit.md").read_text().split("\nAudit:", 1)[1].split("\n", 1)[1], \
+        (out_dir / "audit.csv").read_text()
 
 
 def test_a_compressed_audit_keeps_its_lines_and_tables_and_resumes(env, whole, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -240,7 +241,16 @@ def test_audit_table_with_sandboxed_pass_at_1(env, tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert sorted((r["task_id"], r["method"]) for r in lines) == sorted(
         (t, m) for t in ("MT-Bench/0", "HumanEval/0") for m in ("target-only", "exact", "fly:theta=0.5,window=1"))
-    assert (tmp_path / "audit.md").read_text().startswith("Audit:")
+    head, rest = (tmp_path / "audit.md").read_text().split("\n\nAudit:", 1)
+    # the table heads with the command that made it, the script named from the repository root
+    assert head.startswith("Command (this sitting's, from the repository root; run again, it continues the run):")
+    command = " ".join(x.strip().rstrip("\\").strip() for x in head.splitlines()[2:])
+    assert command.startswith("python experiments/audit.py ") and f"--output_dir {tmp_path}" in command
+    assert shlex.split(command)[2:] == [*TINY, "--draft", "self:1", "--method", "exact", "--method",
+                                        "fly:theta=0.5,window=1", "--mtbench_questions", "1",
+                                        "--mtbench_max_new_tokens", "8", "--humaneval_problems", "1",
+                                        "--humaneval_max_new_tokens", "8", "--output_dir", str(tmp_path)]
+    assert rest.startswith(" target random:tiny")
 
 
 @pytest.mark.heavy  # two audits side by side, about 40 s
