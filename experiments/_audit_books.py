@@ -10,6 +10,7 @@ import json
 import lzma
 import os
 import pathlib
+import types
 import zlib
 
 from absl import app
@@ -17,7 +18,7 @@ from absl import app
 from specjax._files import LoadError, sha256_file
 
 from experiments import _common as C, _jsonl as J
-from experiments._audit_run import REFERENCE, Method, Part
+from experiments._audit_run import REFERENCE, Method, Part, Task
 
 LEDGERS = {"completions": "completions.jsonl", "results": "humaneval_results.jsonl",
            "logprob": "mtbench_logprob.jsonl", "speed": "speed.jsonl", "batches": "batches.jsonl",
@@ -170,6 +171,43 @@ def read_record(out_dir: pathlib.Path) -> dict:
 
 
 TABLE_SUMS = "tables.sha256"
+
+
+def report(out_dir: pathlib.Path, machine: str) -> str:
+    """--report: audit.md's tables from the run's ledgers as they stand, a running audit's too (they are
+    read, never written, and no model loads). The parts, their sizes and the methods' order are the
+    record's where the run has one, else what the ledgers hold."""
+    from experiments import _audit_tables as T  # it imports nothing of this module's users
+
+    if not (out_dir / "run.json").is_file():
+        raise app.UsageError(f"--report {out_dir}: not an audit output directory (no run.json there)")
+    settings = {"matmul": "auto", "bootstrap_seed": 0, **read_settings(out_dir / "run.json")}
+    books = ledgers(out_dir, read_only=True)
+    try:
+        record = read_record(out_dir)
+    except FileNotFoundError:
+        record = {"parts": {}}
+    keys = list(books["completions"].lines)
+    specs = list(dict.fromkeys([REFERENCE, *(m["spec"] for p in record["parts"].values() for m in p["methods"]),
+                                *(s for _, s in keys)]))
+    parts, summaries = [], {}
+    for name, title, prefix in (("mtbench", "MT-Bench", "MT-Bench/"), ("humaneval", "HumanEval", "HumanEval/")):
+        held = [int(t[len(prefix):]) + 1 for t, _ in keys if t.startswith(prefix)]
+        n = max([*held, record["parts"].get(name, {}).get("tasks", 0)], default=0)
+        if not n:
+            continue
+        part = Part(name, title, [Task(f"{prefix}{i}", []) for i in range(n)], settings[f"{name}_max_new_tokens"])
+        timed = {k[1] for k in books["speed"].lines if k[0] == name}
+        wanted = n if settings["batch_size"] == 1 else len(timed)
+        here = {s for t, s in keys if t.startswith(prefix)}  # a method with no answer here yet has no row
+        methods = [types.SimpleNamespace(spec=s) for s in specs if s in here]  # all the tables read of one
+        parts.append(part)
+        summaries[name] = T.summarize(part, methods, books, wanted, settings["bootstrap_seed"])
+    for b in books.values():
+        b.close()
+    if not parts:
+        raise app.UsageError(f"--report {out_dir}: no completion finished yet")
+    return T.markdown(parts, summaries, None, settings, machine)
 
 
 def write_table_sums(out_dir: pathlib.Path, names: list[str]) -> None:

@@ -99,14 +99,14 @@ def _f(x, d=3):
     return "" if x is None or x != x else (f"{x:.{d}f}" if isinstance(x, float) else str(x))
 
 
-def markdown(parts: list[Part], summaries: dict, wall: float, settings: dict, machine: str) -> str:
-    """audit.md: one table of quality and speed and one of cost per part."""
+def markdown(parts: list[Part], summaries: dict, wall: float | None, settings: dict, machine: str) -> str:
+    """audit.md: one table of quality and speed and one of cost per part (wall None: no sitting, a report)."""
     batch = settings["batch_size"]
     sampled = (f"; sampled at T = {settings['temperature']:g}, seed {settings['seed']}"
                if settings.get("temperature") else "")
     out = [f"Audit: target {settings['model']}, default draft {settings['draft']}, k {settings['k']}, batch {batch}, "
-           f"prompt bucket {settings['prompt_bucket']}, matmul {settings['matmul']}{sampled}; {machine}; "
-           f"this sitting {wall / 60:.1f} min.", ""]
+           f"prompt bucket {settings['prompt_bucket']}, matmul {settings['matmul']}{sampled}; {machine}"
+           + ("." if wall is None else f"; this sitting {wall / 60:.1f} min."), ""]
     for part in parts:
         rows = summaries[part.name]
         r0 = rows[REFERENCE]

@@ -76,6 +76,9 @@ divergence and the median first differing token (experiments/_audit_tables.py). 
 (headed with the sitting's command, which continues the run), audit.csv and audit.json;
 batches.jsonl keeps the wall time of every (batch, method) for the cost table.
 
+Reading a run as it stands (a running audit's too): `--output_dir DIR --report` prints the
+tables from DIR's ledgers alone; no model loads and nothing is written.
+
 Compressing a finished run (what experiments/results/ keeps in git):
 
     python -m experiments.audit --output_dir /tmp/audit_smollm2 --compress
@@ -164,6 +167,8 @@ _REUSE = flags.DEFINE_string("reuse_from", None, "Output directory of an earlier
 C.define_calibration_flags()
 _COMPRESS = flags.DEFINE_boolean("compress", False, "Compress the finished run in --output_dir (every X.jsonl "
                                  "into X.jsonl.gz, audit.json into audit.json.xz) and exit; nothing is decoded.")
+_REPORT = flags.DEFINE_boolean("report", False, "Print the tables of the run in --output_dir from its ledgers as "
+                               "they stand (a running audit's too) and exit: no model loads, nothing is written.")
 for _module in C.FLAG_MODULES:  # --help lists the shared flags
     flags.adopt_module_key_flags(_module)
 flags.mark_flag_as_required("output_dir")
@@ -264,6 +269,9 @@ def main(argv):
     if _COMPRESS.value:
         done = B.compress_run(out_dir)
         C.log(f"compressed {', '.join(done) or 'nothing (already compressed)'} in {out_dir}")
+        return
+    if _REPORT.value:
+        print(B.report(out_dir, time.strftime("read from its ledgers %Y-%m-%d %H:%M UTC", time.gmtime())))
         return
     specs = check_flags(argv)
     logging.set_verbosity(logging.WARNING)

@@ -270,3 +270,42 @@ def test_an_older_gzip_record_becomes_xz_with_the_same_json(tmp_path):
     (plain / "audit.json.xz").write_bytes(first)
     assert B.write_record(plain, text).name == "audit.json"
     assert not (plain / "audit.json.xz").exists() and B.read_record(plain) == record
+
+
+def test_report_prints_a_runs_tables_from_its_ledgers_and_writes_nothing(env, whole, tmp_path):
+    """--report: the tables as the ledgers stand, for a finished run (its audit.md's rows) and for one
+    still running (fewer rows done); no model loads and no file changes."""
+    import shutil
+
+    def report(out_dir):
+        proc = subprocess.run([sys.executable, str(AUDIT), "--output_dir", str(out_dir), "--report"], env=env,
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        return proc.returncode, proc.stdout, proc.stderr
+
+    def rows(text):
+        return [x for x in text.splitlines() if x.startswith("| ") and not x.startswith("| method")]
+
+    def files(d):
+        return {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in d.iterdir()}
+
+    running = tmp_path / "running"
+    shutil.copytree(whole, running)
+    before = files(running)
+    code, out, err = report(running)
+    assert code == 0, err[-3000:]
+    assert files(running) == before and "loaded" not in err  # nothing written, no model
+    table = (whole / "audit.md").read_text()
+    assert rows(out) == rows(table[table.index("\nAudit:"):])  # every row, cost tables included
+    assert "read from its ledgers" in out and "this sitting" not in out
+
+    # a run in flight: HumanEval/3's answers not written yet by every method
+    path = running / "completions.jsonl"
+    path.write_text("".join(x for x in path.read_text().splitlines(keepends=True)
+                            if not ('"HumanEval/3"' in x and '"csd"' in x)))
+    code, out, err = report(running)
+    assert code == 0, err[-3000:]
+    assert "HumanEval: 3 of 4 prompts finished by every method" in out
+    assert "MT-Bench: 2 of 2 prompts finished by every method" in out
+
+    code, out, err = report(tmp_path / "nothing")
+    assert code != 0 and "--report" in err and "not an audit output directory (no run.json there)" in err

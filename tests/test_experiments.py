@@ -65,7 +65,7 @@ HELP_FLAGS = {
     "calibrate_asd": ["--draft", "--output", "--percentile", "--crosscheck"],
     "sweep": ["--thetas", "--windows", "--ks", "--budgets", "--gates", "--min_counts", "--output_dir"],
     "audit": ["--method", "--mtbench_questions", "--humaneval_problems", "--time_budget_minutes", "--exec_timeout",
-              "--batch_size", "--speed_problems"],
+              "--batch_size", "--speed_problems", "--compress", "--report"],
 }
 
 BAD_FLAGS = [
