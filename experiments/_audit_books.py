@@ -17,7 +17,7 @@ from absl import app
 
 from specjax._files import LoadError, sha256_file
 
-from experiments import _common as C, _jsonl as J
+from experiments import _audit_tables as T, _common as C, _jsonl as J
 from experiments._audit_run import REFERENCE, Method, Part, Task
 
 LEDGERS = {"completions": "completions.jsonl", "results": "humaneval_results.jsonl",
@@ -142,6 +142,8 @@ def reuse(source: pathlib.Path, parts: list[Part], methods: list[Method], books,
 # spans the file (an audit of 164 problems: 523 kB as gzip, 97 kB as xz). audit.json.gz is the form
 # runs compressed before 2026-12-07 kept; --compress or a rerun replaces it.
 RECORD, PACKED_RECORD, OLD_RECORD = "audit.json", "audit.json.xz", "audit.json.gz"
+_RECORD_BYTES = {RECORD: lambda p: p.read_bytes(), PACKED_RECORD: lambda p: lzma.decompress(p.read_bytes()),
+                 OLD_RECORD: lambda p: gzip.decompress(p.read_bytes())}  # the JSON's bytes of each form
 
 
 def record_path(out_dir: pathlib.Path) -> pathlib.Path:
@@ -163,8 +165,7 @@ def write_record(out_dir: pathlib.Path, text: str) -> pathlib.Path:
 
 def read_record(out_dir: pathlib.Path) -> dict:
     """The record in whichever form the run holds: audit.json, audit.json.xz or the older audit.json.gz."""
-    for name, read in ((RECORD, pathlib.Path.read_bytes), (PACKED_RECORD, lambda p: lzma.decompress(p.read_bytes())),
-                       (OLD_RECORD, lambda p: gzip.decompress(p.read_bytes()))):
+    for name, read in _RECORD_BYTES.items():
         if (out_dir / name).is_file():
             return json.loads(read(out_dir / name))
     raise FileNotFoundError(f"{out_dir}: no {RECORD}, {PACKED_RECORD} or {OLD_RECORD}")
@@ -177,8 +178,6 @@ def report(out_dir: pathlib.Path, machine: str) -> str:
     """--report: audit.md's tables from the run's ledgers as they stand, a running audit's too (they are
     read, never written, and no model loads). The parts, their sizes and the methods' order are the
     record's where the run has one, else what the ledgers hold."""
-    from experiments import _audit_tables as T  # it imports nothing of this module's users
-
     if not (out_dir / "run.json").is_file():
         raise app.UsageError(f"--report {out_dir}: not an audit output directory (no run.json there)")
     settings = {"matmul": "auto", "bootstrap_seed": 0, **read_settings(out_dir / "run.json")}
@@ -200,7 +199,7 @@ def report(out_dir: pathlib.Path, machine: str) -> str:
         timed = {k[1] for k in books["speed"].lines if k[0] == name}
         wanted = n if settings["batch_size"] == 1 else len(timed)
         here = {s for t, s in keys if t.startswith(prefix)}  # a method with no answer here yet has no row
-        methods = [types.SimpleNamespace(spec=s) for s in specs if s in here]  # all the tables read of one
+        methods = [types.SimpleNamespace(spec=s) for s in specs if s in here]  # the tables read only .spec
         parts.append(part)
         summaries[name] = T.summarize(part, methods, books, wanted, settings["bootstrap_seed"])
     for b in books.values():
@@ -211,7 +210,7 @@ def report(out_dir: pathlib.Path, machine: str) -> str:
 
 
 def write_table_sums(out_dir: pathlib.Path, names: list[str]) -> None:
-    """tables.sha256: the SHA-256 of the tables the audit only writes (audit.md, .csv, .json(.gz),
+    """tables.sha256: the SHA-256 of the tables the audit only writes (audit.md, .csv, .json(.xz),
     pareto.png), in `sha256sum` format, so `sha256sum -c tables.sha256` in the directory checks them.
     (The ledgers and run.json carry checksums of their own, verified whenever the audit reads them.)"""
     rows = [f"{sha256_file(out_dir / n)}  {n}\n" for n in names if (out_dir / n).is_file()]
@@ -220,10 +219,10 @@ def write_table_sums(out_dir: pathlib.Path, names: list[str]) -> None:
 
 def compress_record(out_dir: pathlib.Path) -> str | None:
     """audit.json (or an older run's audit.json.gz) -> audit.json.xz, atomically; the name it compressed."""
-    for name, read in ((RECORD, pathlib.Path.read_bytes), (OLD_RECORD, lambda p: gzip.decompress(p.read_bytes()))):
+    for name in (RECORD, OLD_RECORD):
         if (out_dir / name).is_file():
-            tmp = out_dir / (PACKED_RECORD + ".tmp")
-            tmp.write_bytes(lzma.compress(read(out_dir / name), preset=9))  # xz holds no time: same bytes each time
+            tmp = out_dir / (PACKED_RECORD + ".tmp")  # xz holds no time: the same JSON, the same bytes
+            tmp.write_bytes(lzma.compress(_RECORD_BYTES[name](out_dir / name), preset=9))
             os.replace(tmp, out_dir / PACKED_RECORD)
             for old in (RECORD, OLD_RECORD):
                 (out_dir / old).unlink(missing_ok=True)
