@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from experiments import _audit_books as B
+from experiments import _audit_books as B, _audit_tables as T
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results"
 AUDITS = sorted(p.parent.name for p in RESULTS.glob("*/run.json"))
