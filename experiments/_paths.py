@@ -105,6 +105,10 @@ def atomic_open(path, mode: str = "w", **kwargs):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     _PENDING.add(tmp)
+    # mkstemp makes the file 0600; the result gets the mode open() would have given it.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
     try:
         with os.fdopen(fd, mode, **kwargs) as f:
             yield f

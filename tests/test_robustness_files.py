@@ -125,6 +125,20 @@ def test_an_output_check_output_accepts_is_written(tmp_path):
     assert path.read_text() == "done" and os.listdir(path.parent) == ["out.json"]
 
 
+def test_an_atomic_write_gets_the_mode_a_plain_open_would_give(tmp_path):
+    """The temporary comes from mkstemp (0600); a result file must not stay private to its writer."""
+    from experiments import _paths
+
+    old = os.umask(0o022)
+    try:
+        _paths.write_text(tmp_path / "run.json", "{}")
+        (tmp_path / "plain.json").write_text("{}")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes == {"run.json": 0o644, "plain.json": 0o644}
+
+
 def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path):
     from experiments import _paths
 
