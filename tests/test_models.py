@@ -272,6 +272,27 @@ def _fake_chunk_preset(name):
     return preset, joined
 
 
+def test_a_join_killed_midway_is_removed_by_the_next_and_a_live_one_is_left(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    from specjax.models import presets
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path / "cache"))
+    fake, joined = _fake_chunk_preset("fake-orphan")
+    monkeypatch.setitem(presets.PRESETS, "fake-orphan", fake)
+    models_dir = tmp_path / "cache" / "models"
+    models_dir.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    orphan = models_dir / f".fake-orphan.gguf.{dead}.1.partial"
+    live = models_dir / f".fake-orphan.gguf.{os.getppid()}.1.partial"  # a running process's join
+    for p in (orphan, live):
+        p.write_bytes(b"half a model")
+    assert presets.resolve("fake-orphan").read_bytes() == joined
+    assert not orphan.exists() and live.exists()
+
+
 def test_two_processes_joining_a_preset_at_once_both_get_the_whole_file(monkeypatch, tmp_path):
     # Two audits started together both find no joined file and join it. Each must write its own
     # temporary: with a shared one, the second opener truncates the first's bytes and one rename fails.

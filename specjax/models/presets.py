@@ -102,6 +102,22 @@ def _verify(path: pathlib.Path, preset: Preset) -> None:
                           f"expected {preset.sha256}; refusing to load it")
 
 
+def _remove_orphan_joins(target: pathlib.Path) -> None:
+    """Deletes `.<name>.gguf.<PID>.<thread>.partial` files whose process is gone: a join killed
+    midway leaves a file as large as the model under a name no later run reuses."""
+    for tmp in target.parent.glob(f".{target.name}.*.partial"):
+        pid = tmp.name[len(target.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its process still runs: maybe joining right now
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except PermissionError:
+            continue
+
+
 def resolve(name: str) -> pathlib.Path:
     """The verified GGUF file of a preset (joining chunk wheels on first use)."""
     if name not in PRESETS:
@@ -116,6 +132,7 @@ def resolve(name: str) -> pathlib.Path:
         target = cache_dir() / "models" / f"{name}.gguf"
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
+            _remove_orphan_joins(target)
             # Each process joins into its own temporary file: two runs started together (two audits,
             # one per core) both join, and the later rename replaces a whole file with a whole file.
             tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.partial")
