@@ -73,6 +73,18 @@ def _fsync_dir(directory) -> None:
         os.close(fd)
 
 
+def process_is_gone(pid: int) -> bool:
+    """Whether no process has this PID: the writer of a temporary named after it was killed. A
+    process we may not signal counts as alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def atomic_write_bytes(path, data: bytes) -> None:
     """Writes `path` through a sibling temporary file, fsynced, then renamed over it: a reader
     sees the old bytes or the new ones, never a part; on failure the temporary is removed."""

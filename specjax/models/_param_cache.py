@@ -27,7 +27,7 @@ import shutil
 
 import numpy as np
 
-from specjax._files import LoadError
+from specjax._files import LoadError, process_is_gone
 
 PARAMS = "params.safetensors"
 MANIFEST = "manifest.json"
@@ -136,15 +136,8 @@ def remove_stale_temporaries(parent: pathlib.Path) -> None:
     """Deletes `<key>.tmp<PID>` directories whose process is gone (a save killed midway)."""
     for tmp in parent.glob("*.tmp*"):
         pid = tmp.name.rsplit(".tmp", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
+        if not pid.isdigit() or int(pid) == os.getpid() or not process_is_gone(int(pid)):
             continue  # its process still runs: maybe saving right now
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
         shutil.rmtree(tmp, ignore_errors=True)
         logging.warning("removed %s, left by an interrupted save", tmp)
 

@@ -17,7 +17,7 @@ import os
 import pathlib
 import threading
 
-from specjax._files import LoadError, atomic_write_bytes, sha256_file
+from specjax._files import LoadError, atomic_write_bytes, process_is_gone, sha256_file
 
 
 class PresetError(LoadError, RuntimeError):
@@ -107,15 +107,8 @@ def _remove_orphan_joins(target: pathlib.Path) -> None:
     midway leaves a file as large as the model under a name no later run reuses."""
     for tmp in target.parent.glob(f".{target.name}.*.partial"):
         pid = tmp.name[len(target.name) + 2:].split(".", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # its process still runs: maybe joining right now
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-        except PermissionError:
-            continue
+        if pid.isdigit() and int(pid) != os.getpid() and process_is_gone(int(pid)):
+            tmp.unlink(missing_ok=True)  # a live process may be joining right now: its file stays
 
 
 def resolve(name: str) -> pathlib.Path:
