@@ -38,24 +38,6 @@ PUBLISHED_FLY = "fly:rule=reference,entropy=top3"  # FLy's published rule, as th
 METHOD_LABELS = {"exact": "exact", "fly": "FLy defaults", PUBLISHED_FLY: "FLy published"}
 
 
-def machine() -> str:
-    """The CPU's model name, cores and widest vector extension (AVX-512 or AVX2), and jax's platform."""
-    import jax
-
-    name, cpu_flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name == "unknown CPU":
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not cpu_flags:
-                    cpu_flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = "AVX-512" if "avx512f" in cpu_flags else "AVX2" if "avx2" in cpu_flags else "no AVX2"
-    return f"{name} ({os.cpu_count()} cores, {isa}); jax {jax.__version__} on {jax.default_backend()}"
-
-
 def has_adaptive() -> bool:
     """Whether this specjax's Engine takes `adaptive=` (the loop that chooses the width per round)."""
     return "adaptive" in inspect.signature(specjax.Engine.__init__).parameters

@@ -176,7 +176,7 @@ def quality(part: Part, methods: list[Method], tokenizer, books, progress: Progr
             if opts.batch_size == 1 and (part.name, batch[0].task_id, m.spec) not in books["speed"]:
                 # one prompt, every method in turn, compilation apart: this is the speed pass's timing
                 books["speed"].append({"part": part.name, "task_id": batch[0].task_id, "method": m.spec,
-                                       "tokens": len(out.tokens[0]), "seconds": gen_s})
+                                       "tokens": len(out.tokens[0]), "seconds": gen_s, "cpu": C.cpu()})
             n_tokens = sum(len(out.tokens[i]) for i in rows)
             batches.append({"part": part.name, "batch": bi, "method": m.spec, "rows": len(rows),
                             "batch_rows": len(batch), "tokens": n_tokens, "generate_seconds": gen_s,
@@ -240,6 +240,6 @@ def speed(part: Part, methods: list[Method], books, deadline, wanted: int) -> bo
             out = engine.generate([t.ids])
             seconds = time.perf_counter() - start
             timed.append({"part": part.name, "task_id": t.task_id, "method": m.spec,
-                          "tokens": len(out.tokens[0]), "seconds": seconds})
+                          "tokens": len(out.tokens[0]), "seconds": seconds, "cpu": C.cpu()})
         C.log(f"{part.title} speed: prompt {n}/{len(tasks)} timed for every method")
     return True

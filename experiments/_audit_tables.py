@@ -17,6 +17,7 @@ from experiments import _audit_stats as S, _common as C
 from experiments._audit_run import REFERENCE, Method, Part, split_spec
 
 NOT_TIMED = "not timed"
+UNRECORDED = "CPU not recorded"  # timing rows written before the audit named the CPU in each
 
 
 def summarize(part: Part, methods: list[Method], books, wanted_speed: int, seed: int) -> dict:
@@ -28,8 +29,8 @@ def summarize(part: Part, methods: list[Method], books, wanted_speed: int, seed:
     timed_ids = [t.task_id for t in part.tasks[:wanted_speed]
                  if all((part.name, t.task_id, s) in books["speed"] for s in specs)]
     timing = {s: [books["speed"].get((part.name, i, s)) for i in timed_ids] for s in specs}
-    tps = {s: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) if rs else None
-           for s, rs in timing.items()}
+    tps = _tokens_per_second(timing)
+    by_cpu = _speed_by_cpu(timing, specs)
     cost = {}
     for (name, _, spec), b in books["batches"].lines.items():
         if name == part.name:
@@ -55,6 +56,8 @@ def summarize(part: Part, methods: list[Method], books, wanted_speed: int, seed:
             n, wall, comp = cost[s]
             row["audit_seconds_per_100"] = 100 * wall / n
             row["compile_seconds"] = comp
+        if by_cpu:
+            row["speed_by_cpu"] = by_cpu[s]
         if timing[s]:
             row["batch1_seconds_per_100"] = 100 * sum(r["seconds"] for r in timing[s]) / len(timing[s])
         if part.name == "humaneval" and ls:
@@ -77,6 +80,33 @@ def summarize(part: Part, methods: list[Method], books, wanted_speed: int, seed:
                            logprob_diff_hi=dhi)
         rows[s] = row
     return rows
+
+
+def _tokens_per_second(timing: dict[str, list[dict]]) -> dict[str, float | None]:
+    return {s: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) if rs else None
+            for s, rs in timing.items()}
+
+
+def _speed_by_cpu(timing: dict[str, list[dict]], specs: list[str]) -> dict[str, dict] | None:
+    """Per method, its speedups over the prompts each CPU timed; None where no row names its CPU.
+
+    A run that resumes on another machine pools timings from CPUs of different vector widths, and a
+    CPU verify is compute-bound, so the ratios differ between them: the pooled figure is read beside
+    each CPU's. A prompt's methods run in turn in one sitting, so one CPU times them all; a prompt
+    whose rows name several (a timing repaired in a later sitting) is counted under their join."""
+    n = len(next(iter(timing.values()), []))
+    cpus = ["; ".join(sorted({timing[s][i].get("cpu", UNRECORDED) for s in specs})) for i in range(n)]
+    if all(c == UNRECORDED for c in cpus):
+        return None
+    out: dict[str, dict] = {s: {} for s in specs}
+    for cpu in sorted(set(cpus), key=cpus.index):
+        tps = _tokens_per_second({s: [r for r, c in zip(rs, cpus) if c == cpu] for s, rs in timing.items()})
+        for s in specs:
+            peer = exact_peer(s, specs)
+            out[s][cpu] = {"prompts": cpus.count(cpu),
+                           "speedup_vs_target_only": tps[s] / tps[REFERENCE],
+                           "speedup_vs_exact": tps[s] / tps[peer] if peer else None}
+    return out
 
 
 def exact_peer(spec: str, specs: list[str]) -> str | None:
@@ -140,6 +170,7 @@ def markdown(parts: list[Part], summaries: dict, wall: float | None, settings: d
                     "log-probability per token of each answer (teacher-forced), which target-only greedy "
                     "answers nearly maximise; a negative difference says a method's answers stray from what "
                     "the target would say, not that a reader would find them worse."]
+        out += _cpu_lines(rows)
         out += ["", f"Cost ({part.title}): wall seconds per 100 prompts, generation plus sandbox, at batch "
                 f"{batch} (compilation apart) against batch-1 generation in the speed pass:", "",
                 f"| method | batch {batch}: generation + sandbox s/100 | batch 1: generation s/100 | compile s |",
@@ -150,6 +181,21 @@ def markdown(parts: list[Part], summaries: dict, wall: float | None, settings: d
                        f"| {_f(r.get('compile_seconds'), 0)} |")
         out.append("")
     return "\n".join(out) + "\n"
+
+
+def _cpu_lines(rows: dict) -> list[str]:
+    """Which CPU timed the speed columns; where several did, each one's speedups beside the pooled."""
+    by_cpu = rows[REFERENCE].get("speed_by_cpu")
+    if not by_cpu:
+        return []
+    out = ["", "Timed on: " + ", ".join(f"{c} ({v['prompts']} prompt{'s' * (v['prompts'] != 1)})" for c, v in by_cpu.items()) + "."]
+    if len(by_cpu) > 1:
+        out += ["", "| method | " + " | ".join(f"vs target-only, vs exact on {c}" for c in by_cpu) + " |",
+                "|---|" + "---|" * len(by_cpu)]
+        for s, r in rows.items():
+            out.append(f"| {s} | " + " | ".join(f"{_f(v['speedup_vs_target_only'], 2)}, {_f(v['speedup_vs_exact'], 2)}"
+                                               for v in r["speed_by_cpu"].values()) + " |")
+    return out
 
 
 def _speed(row: dict, key: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import sys
@@ -45,19 +46,32 @@ class Ticker:
             print("\r\033[K", end="", file=sys.stderr, flush=True)
 
 
-def machine() -> str:
-    import jax
-
-    cpu = platform.processor() or platform.machine()
+@functools.cache
+def cpu() -> str:
+    """The CPU's model name, cores and widest vector extension (AVX-512 or AVX2): what a timing on
+    it depends on (a verify on the CPU is compute-bound, so the extension moves speed ratios)."""
+    name, cpu_flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    cpu_flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
         pass
+    isa = "AVX-512" if "avx512f" in cpu_flags else "AVX2" if "avx2" in cpu_flags else "no AVX2"
+    return f"{name} ({os.cpu_count()} cores, {isa})"
+
+
+def machine() -> str:
+    """cpu() and where jax runs: the line every benchmark and result record names its machine with."""
+    import jax
+
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", dev.platform)
-    return (f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__} on {len(jax.devices())} x "
-            f"{dev.platform} ({kind})")
+    return f"{cpu()}; jax {jax.__version__} on {len(jax.devices())} x {dev.platform} ({kind})"
 
 
 class Null:

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from experiments._calibration_files import load_asd_calibration, load_csd_memory, save_csd_memory
-from experiments._cli import Null, Ticker, log, machine
+from experiments._cli import Null, Ticker, cpu, log, machine
 from experiments._models import RANDOM, byte_tokenizer, draft_model, load_model, random_tiny, resolve_draft
 from experiments._prompts import DATASETS, define_prompt_flags, encode, read_prompts
 from experiments._reports import divergence, first_difference, jsonable, pareto, write_csv
@@ -30,7 +30,7 @@ from experiments import _prompts, _rule_flags
 FLAG_MODULES = (_prompts, _rule_flags)
 
 __all__ = [
-    "DATASETS", "RANDOM", "Null", "Run", "Ticker", "apply_calibration", "byte_tokenizer", "chunks", "compile_for",
+    "DATASETS", "RANDOM", "Null", "Run", "Ticker", "apply_calibration", "byte_tokenizer", "chunks", "compile_for", "cpu",
     "define_calibration_flags", "define_calibration_source_flags", "define_prompt_flags", "define_rule_flags", "divergence",
     "FLAG_MODULES", "atomic_open", "check_output", "draft_model", "encode", "first_difference", "jsonable", "load_asd_calibration", "load_csd_memory",
     "load_model", "log", "machine", "make_engine", "pareto", "parse_method_spec", "parse_option", "random_tiny",

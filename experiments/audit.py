@@ -59,7 +59,8 @@ not whether it is better or worse to a reader.
 
 Speed (--speed_problems N): the first N prompts of each part at batch 1, every method in
 turn per prompt (interleaved, so machine drift affects all alike), compilation untimed;
-speed.jsonl holds tokens and seconds per (part, task, method), also resumable. Speedups in
+speed.jsonl holds tokens and seconds per (part, task, method) and the CPU that timed them, also
+resumable; a run resumed on another CPU gives each CPU's speedups beside the pooled ones. Speedups in
 the table come only from there, never from a batched quality pass. A method spec with its own
 k= or draft= (fly:k=25) has its speedup over exact read against the exact spec with the same
 k and draft (exact:k=25) where the run has one, and the cell names it. At --batch_size 1 the

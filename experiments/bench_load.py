@@ -110,7 +110,7 @@ def main(argv):
     if _CHILD.value or _CHILD_SPLIT.value:
         print("RESULT " + json.dumps(child() if _CHILD.value else child_split()))
         return
-    from experiments import _adaptive_bench  # here: the measured children import only what they time
+    from experiments import _cli  # here: the measured children import only what they time
 
     if _REPEATS.value < 1:
         raise _paths.RunError(f"--repeats must be >= 1, got {_REPEATS.value}")
@@ -145,7 +145,7 @@ def main(argv):
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"models.load({_MODEL.value!r}), fresh process each, medians of {_REPEATS.value}; "
-          f"{_adaptive_bench.machine()}; {datetime.date.today()}; load averages {os.getloadavg()}"
+          f"{_cli.machine()}; {datetime.date.today()}; load averages {os.getloadavg()}"
           + (f"; baseline {trees['baseline']}, alternating with this tree" if _BASELINE.value else ""))
     print("| tree | cache | served from | load, wall (s) | each run (s) | load, CPU time of all threads (s) "
           "| imports before it, wall (s) |")

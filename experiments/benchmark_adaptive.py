@@ -78,7 +78,7 @@ def main(argv):
         draft_models = {"pld": "pld"}
         if "model" in drafts:
             draft_models[_DRAFT_MODEL.value] = _models.draft_model(_DRAFT_MODEL.value, target)
-        settings = dict(model=model, max_new_tokens=_NEW.value, machine=B.machine())
+        settings = dict(model=model, max_new_tokens=_NEW.value, machine=_cli.machine())
         runner = B.Runner(target, draft_models, _NEW.value, ledger, settings, log=_cli.log)
         _cli.log(f"{len(items)} prompts x {len(all_rows) + 1} configurations; {len(ledger)} measured before")
         _paths.set_status(lambda: f"{len(ledger)} measurements in {ledger.path}; the same command resumes")
@@ -89,7 +89,7 @@ def main(argv):
     def h200(k, model_draft):
         return B.h200_costs(model, k, model_draft)
 
-    where = lines[0]["machine"] if lines else B.machine()  # the machine and dates of the measurements
+    where = lines[0]["machine"] if lines else _cli.machine()  # the machine and dates of the measurements
     dates = sorted({l["date"] for l in lines}) or [datetime.date.today().isoformat()]
     parts = [f"# Fixed K against the adaptive loop: {model}, {_NEW.value} new tokens, batch 1",
              "", f"{where}; {' to '.join(dict.fromkeys([dates[0], dates[-1]]))}. "

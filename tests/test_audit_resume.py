@@ -155,6 +155,9 @@ def test_at_batch_one_the_quality_pass_is_the_interleaved_timing(env, tmp_path):
         assert (r["seconds"], r["tokens"]) == (b["generate_seconds"], b["tokens"])
     table = (out_dir / "audit.md").read_text()
     assert "speed over the first 2 at batch 1" in table
+    from experiments import _cli
+    assert {r["cpu"] for r in timed.values()} == {_cli.cpu()}  # a resumed run on another CPU is read apart
+    assert f"Timed on: {_cli.cpu()} (2 prompts)." in table
     row = next(x for x in table.splitlines() if x.startswith("| exact |"))
     assert float(row.split("|")[-3]) > 0  # a speedup against target-only is reported
 
