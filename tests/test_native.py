@@ -9,6 +9,7 @@ import dataclasses
 import os
 import re
 import shutil
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -505,6 +506,64 @@ def test_q8_kernel_matches_its_float64_reference(M, K, N, bs, kind, offset):
     assert np.abs(y - f).max() <= 0.03 * np.abs(f).max()
 
 
+def _round_f32(v: Fraction) -> np.float32:
+    """The float32 nearest to an exact value, ties to even (through float64 only where that is exact:
+    a float64 that lands on a float32 midpoint is settled against the exact value)."""
+    d = np.float64(float(v))  # correctly rounded
+    f = np.float32(d)
+    other = np.nextafter(f, np.float32(np.inf if Fraction(float(f)) < Fraction(float(d)) else -np.inf))
+    mid = (Fraction(float(f)) + Fraction(float(other))) / 2
+    if Fraction(float(d)) == mid and v != mid:  # double rounding: take the side the exact value is on
+        return f if abs(v - Fraction(float(f))) < abs(v - Fraction(float(other))) else other
+    return f
+
+
+def _fma32(a, b, c) -> np.float32:
+    return _round_f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
+
+
+def q8_float32_steps(x, q):
+    """The q8 kernel's own float32 steps, emulated exactly: per block of xb activations, its integer
+    sum I (exact), v = f32(I) * scale, v = fma(offset, X, v), acc = fma(v, dx, acc)."""
+    w = q.unpacked()
+    codes = np.asarray(w.codes, np.int64)
+    nb, bs, N = codes.shape
+    K = nb * bs
+    codes = codes.reshape(K, N)
+    scale = np.asarray(w.scale, np.float32)[:, 0]
+    offset = None if w.offset is None else np.asarray(w.offset, np.float32)[:, 0]
+    xb = min(bs, 32)
+    y = np.zeros((x.shape[0], N), np.float32)
+    for m in range(x.shape[0]):
+        for n in range(N):
+            acc = np.float32(0)
+            for k0 in range(0, K, xb):
+                xr = np.asarray(x[m, k0:k0 + xb], np.float32)
+                dx = np.float32(np.abs(xr).max()) / np.float32(127)
+                inv = np.float32(1) / dx if dx > 0 else np.float32(0)
+                xq = np.clip(np.rint(xr * inv), -127, 127).astype(np.int64)
+                b = k0 // bs
+                v = np.float32(np.float32(int(xq @ codes[k0:k0 + xb, n])) * scale[b, n])
+                if offset is not None:
+                    v = _fma32(offset[b, n], np.float32(int(xq.sum())), v)
+                acc = _fma32(v, dx, acc)
+            y[m, n] = acc
+    return y
+
+
+@pytest.mark.parametrize("M, K, N, bs, kind, offset", [(1, 64, 32, 32, "u4", True), (9, 96, 16, 16, "q6", True),
+                                                       (13, 64, 32, 32, "i8", False), (3, 64, 16, 32, "s4", False),
+                                                       (10, 32, 16, 32, "i8", True)])
+def test_q8_kernel_gives_the_bits_of_its_float32_steps(M, K, N, bs, kind, offset):
+    """Bit for bit on every CPU (AVX-512 VNNI, AVX2, portable): the integer sums are exact and every
+    path takes the same float32 steps, so a run resumed on another machine decodes the same tokens."""
+    rng = np.random.default_rng(M * 7 + K + N)
+    q = native.pack_for_q8(q8_weight(rng, K, N, bs, kind, offset))
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[0, :16] *= 30
+    np.testing.assert_array_equal(np.asarray(native.dot(jnp.asarray(x), q)), q8_float32_steps(x, q))
+
+
 def test_q8_rows_do_not_depend_on_the_others():
     """Bit for bit, whatever rows share the call and however they are split into passes, so a
     verify pass and a decode step compute a position alike (exact speculation = target-only)."""
@@ -657,6 +716,76 @@ def test_native_attention_matches_a_float64_reference(B, T, H, G, S, Dh):
     for layer in (0, 1):
         got = np.asarray(f(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.int32(layer), jnp.asarray(positions)))
         np.testing.assert_allclose(got, attention_reference(q, k, v, layer, positions), rtol=2e-5, atol=2e-5)
+
+
+def _exp32(x):
+    """attention.cc's exponential, its float32 steps (the vector and the scalar form agree)."""
+    f = np.float32
+    x = max(f(x), f(-87.3))
+    n = f(np.rint(f(x * f(1.44269504088896341))))
+    r = _fma32(-n, f(0.693359375), x)
+    r = _fma32(-n, f(-2.12194440e-4), r)
+    p = f(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = _fma32(p, r, f(c))
+    p = _fma32(p, f(r * r), f(r + f(1)))
+    return f(np.ldexp(p, int(n)))
+
+
+def _dot32(a, b):
+    """A query-key dot as the kernel sums it: for Dh % 16 == 0 in 16 lanes, each a multiply-add
+    chain, reduced in AVX-512's tree (halves, quarters, pairs); else one chain in order."""
+    if len(a) % 16:
+        d = np.float32(0)
+        for x, y in zip(a, b):
+            d = _fma32(x, y, d)
+        return d
+    lanes = [np.float32(0)] * 16
+    for i in range(0, len(a), 16):
+        lanes = [_fma32(a[i + j], b[i + j], lanes[j]) for j in range(16)]
+    h8 = [np.float32(lanes[j] + lanes[j + 8]) for j in range(8)]
+    h4 = [np.float32(h8[j] + h8[j + 4]) for j in range(4)]
+    h2 = [np.float32(h4[j] + h4[j + 2]) for j in range(2)]
+    return np.float32(h2[0] + h2[1])
+
+
+def attention_float32_steps(q, k, v, layer, positions):
+    """native.attention's float32 steps, emulated exactly (fused multiply-adds rounded once)."""
+    B, T, H, Dh = q.shape
+    G = k.shape[3]
+    scale = np.float32(1) / np.float32(np.sqrt(np.float32(Dh)))
+    out = np.zeros(q.shape, np.float32)
+    for b in range(B):
+        for t in range(T):
+            n = min(int(positions[b, t]) + 1, k.shape[2])
+            for h in range(H):
+                g = h // (H // G)
+                sc = [np.float32(_dot32(q[b, t, h], k[layer, b, j, g]) * scale) for j in range(n)]
+                m = max(sc)
+                e = [_exp32(np.float32(x - m)) for x in sc]
+                total = np.float32(0)
+                for x in e:
+                    total = np.float32(total + x)
+                inv = np.float32(1) / total
+                for i in range(Dh):
+                    o = np.float32(0)
+                    for j in range(n):
+                        o = _fma32(e[j], v[layer, b, j, g, i], o)
+                    out[b, t, h, i] = np.float32(o * inv)
+    return out
+
+
+@pytest.mark.parametrize("Dh", [32, 12])
+def test_native_attention_gives_the_bits_of_its_float32_steps(Dh):
+    """Bit for bit on every CPU: the AVX2 build sums a query-key dot in AVX-512's lanes and tree, so
+    a run resumed on another machine decodes the same tokens."""
+    rng = np.random.default_rng(Dh)
+    q = (rng.standard_normal((1, 2, 2, Dh)) * 2).astype(np.float32)
+    k = rng.standard_normal((1, 1, 21, 1, Dh)).astype(np.float32)
+    v = rng.standard_normal((1, 1, 21, 1, Dh)).astype(np.float32)
+    positions = np.asarray([[19, 20]], np.int32)  # 20 keys: a vector of 16 exponentials and a tail
+    got = np.asarray(native.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 0, jnp.asarray(positions)))
+    np.testing.assert_array_equal(got, attention_float32_steps(q, k, v, 0, positions))
 
 
 def test_native_attention_depends_on_a_query_position_only():

@@ -14,7 +14,9 @@
 // Numerics: float32; for a query, one pass of scores in key order, the max, exponentials (a
 // polynomial with about 2 ulp of error, not libm's), their sum in key order, and the weighted
 // sum of values in key order. So a query's output depends on its position and the cache only:
-// not on T, S or the other rows.
+// not on T, S or the other rows. A score's dot over Dh (a multiple of 16) is summed in 16 lanes
+// reduced in AVX-512's tree, by the AVX2 build too, so both give the same bits (the portable
+// build, one chain in order, may differ in the last bit).
 
 #include <algorithm>
 #include <cmath>
@@ -22,7 +24,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -108,6 +110,21 @@ void Task(const float* q, const Keys& kv, int64_t n, float* out, const Shape& s,
         __m512 acc = _mm512_setzero_ps();
         for (int64_t i = 0; i < Dh; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qv + i), _mm512_loadu_ps(kj + i), acc);
         d = _mm512_reduce_add_ps(acc);
+      } else
+#elif defined(__AVX2__) && defined(__FMA__)
+      if (Dh % 16 == 0) {
+        // AVX-512's sum, bit for bit: its 16 lanes as two halves, reduced in the tree GCC's
+        // _mm512_reduce_add_ps takes (halves, then quarters, then pairs), so a run resumed on an
+        // AVX2 machine decodes what an AVX-512 one would
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (int64_t i = 0; i < Dh; i += 16) {
+          lo = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(kj + i), lo);
+          hi = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i + 8), _mm256_loadu_ps(kj + i + 8), hi);
+        }
+        const __m256 h8 = _mm256_add_ps(hi, lo);
+        const __m128 h4 = _mm_add_ps(_mm256_extractf128_ps(h8, 1), _mm256_castps256_ps128(h8));
+        const __m128 h2 = _mm_add_ps(h4, _mm_shuffle_ps(h4, h4, _MM_SHUFFLE(1, 0, 3, 2)));
+        d = _mm_cvtss_f32(h2) + _mm_cvtss_f32(_mm_shuffle_ps(h2, h2, 1));
       } else
 #endif
       {

@@ -475,6 +475,56 @@ void QTile(const QActs& a, const QWeights& w, float* y, int64_t N, int64_t m0, i
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + t * kQCols, acc[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // AVX2 without VNNI: the tile as two halves of 8 columns (bytes 0-31 and 32-63 of each group).
+  // A VNNI step, 4 products u * x summed into int32, is maddubs (u8 x s8 products summed in pairs
+  // to int16) then madd with ones. The pairs cannot saturate for codes below 16 (2 x 15 x 127), so
+  // an 8-bit code is split into nibbles, u = lo + 16 hi, and its high half's pairs are scaled by 16
+  // in that madd. The integer sums are exact, and the float32 steps are the AVX-512 path's, so
+  // every path gives the same bits (the audits resume across machines on that).
+  const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  auto bcast = [](const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); };
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* gh = g + 32 * half;
+    for (int64_t k0 = 0, xbi = 0; k0 < a.K; k0 += a.xb, ++xbi) {
+      __m256i isum[R];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k0 + a.xb; k += per_group, gh += 64) {
+        const __m256i wb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gh));
+        const __m256i lo = _mm256_and_si256(wb, mask), hi = _mm256_and_si256(_mm256_srli_epi16(wb, 4), mask);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          if constexpr (kBits == 4) {
+            // rows k .. k+3 in the low nibbles, k+4 .. k+7 in the high ones: 2 x 2 x 15 x 127 fits int16
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast(xq[r] + k)),
+                                               _mm256_maddubs_epi16(hi, bcast(xq[r] + k + 4)));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+          } else {
+            const __m256i x = bcast(xq[r] + k);
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones),
+                _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), sixteen)));
+          }
+        }
+      }
+      const int64_t b = k0 / w.bs;
+      const __m256 s = _mm256_loadu_ps(sc + b * kQCols + 8 * half);
+      const __m256 o = of ? _mm256_loadu_ps(of + b * kQCols + 8 * half) : _mm256_setzero_ps();
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const int32_t X = a.sum[(m0 + r) * a.nxb + xbi];
+        const __m256i iv = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(w.zero * X));
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(iv), s);
+        if (of) v = _mm256_fmadd_ps(o, _mm256_set1_ps(static_cast<float>(X)), v);
+        acc[r] = _mm256_fmadd_ps(v, _mm256_set1_ps(a.d[(m0 + r) * a.nxb + xbi]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (m0 + r) * N + t * kQCols + 8 * half, acc[r]);
+  }
 #else
   // Portable: the same integer sums and the same float32 steps (one multiply-add fewer fused).
   float acc[R][kQCols] = {};
