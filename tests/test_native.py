@@ -419,25 +419,33 @@ def test_matmul_setting_is_checked(small_q8):
 # --- the int8-activation path (Engine(matmul="q8")): llama.cpp's numerics ---
 
 
-def q8_reference(x, q):
-    """float64 of what the q8 kernel computes: each row's blocks of min(bs, 32) activations
-    quantized as the kernel does (float32 scale amax / 127, round half to even), exact integer
-    dot products with the codes, then scale and offset."""
+def _q8_unpacked(q, dtype):
+    """The kernel's operands: codes [K, N] (int64), scale and offset [K / bs, N] in dtype, bs, xb."""
     w = q.unpacked()
     codes = np.asarray(w.codes, np.int64)
     nb, bs, N = codes.shape
-    K = nb * bs
-    codes = codes.reshape(K, N)
-    scale = np.asarray(w.scale, np.float64)[:, 0]
-    offset = None if w.offset is None else np.asarray(w.offset, np.float64)[:, 0]
-    xb = min(bs, 32)
-    y = np.zeros((x.shape[0], N))
+    scale = np.asarray(w.scale, dtype)[:, 0]
+    offset = None if w.offset is None else np.asarray(w.offset, dtype)[:, 0]
+    return codes.reshape(nb * bs, N), scale, offset, bs, min(bs, 32)
+
+
+def _q8_activations(xr):
+    """One block of activations as the kernel quantizes it: float32 scale amax / 127, codes rounded
+    half to even; (scale, int64 codes)."""
+    xr = np.asarray(xr, np.float32)
+    dx = np.float32(np.abs(xr).max()) / np.float32(127)
+    inv = np.float32(1) / dx if dx > 0 else np.float32(0)
+    return dx, np.clip(np.rint(xr * inv), -127, 127).astype(np.int64)
+
+
+def q8_reference(x, q):
+    """float64 of what the q8 kernel computes: each row's blocks of min(bs, 32) activations
+    quantized as the kernel does, exact integer dot products with the codes, then scale and offset."""
+    codes, scale, offset, bs, xb = _q8_unpacked(q, np.float64)
+    y = np.zeros((x.shape[0], codes.shape[1]))
     for m in range(x.shape[0]):
-        for k0 in range(0, K, xb):
-            xr = np.asarray(x[m, k0:k0 + xb], np.float32)
-            dx = np.float32(np.abs(xr).max()) / np.float32(127)
-            inv = np.float32(1) / dx if dx > 0 else np.float32(0)
-            xq = np.clip(np.rint(xr * inv), -127, 127).astype(np.int64)
+        for k0 in range(0, codes.shape[0], xb):
+            dx, xq = _q8_activations(x[m, k0:k0 + xb])
             b = k0 // bs
             v = scale[b] * (xq @ codes[k0:k0 + xb]) + (0 if offset is None else offset[b] * xq.sum())
             y[m] += np.float64(dx) * v
@@ -525,23 +533,13 @@ def _fma32(a, b, c) -> np.float32:
 def q8_float32_steps(x, q):
     """The q8 kernel's own float32 steps, emulated exactly: per block of xb activations, its integer
     sum I (exact), v = f32(I) * scale, v = fma(offset, X, v), acc = fma(v, dx, acc)."""
-    w = q.unpacked()
-    codes = np.asarray(w.codes, np.int64)
-    nb, bs, N = codes.shape
-    K = nb * bs
-    codes = codes.reshape(K, N)
-    scale = np.asarray(w.scale, np.float32)[:, 0]
-    offset = None if w.offset is None else np.asarray(w.offset, np.float32)[:, 0]
-    xb = min(bs, 32)
-    y = np.zeros((x.shape[0], N), np.float32)
+    codes, scale, offset, bs, xb = _q8_unpacked(q, np.float32)
+    y = np.zeros((x.shape[0], codes.shape[1]), np.float32)
     for m in range(x.shape[0]):
-        for n in range(N):
+        for n in range(codes.shape[1]):
             acc = np.float32(0)
-            for k0 in range(0, K, xb):
-                xr = np.asarray(x[m, k0:k0 + xb], np.float32)
-                dx = np.float32(np.abs(xr).max()) / np.float32(127)
-                inv = np.float32(1) / dx if dx > 0 else np.float32(0)
-                xq = np.clip(np.rint(xr * inv), -127, 127).astype(np.int64)
+            for k0 in range(0, codes.shape[0], xb):
+                dx, xq = _q8_activations(x[m, k0:k0 + xb])
                 b = k0 // bs
                 v = np.float32(np.float32(int(xq @ codes[k0:k0 + xb, n])) * scale[b, n])
                 if offset is not None:
